@@ -1,0 +1,1 @@
+"""The Flower app: ServerApp, ClientApp and the pieces they use."""

@@ -1,0 +1,126 @@
+"""The ClientApp: trains and evaluates the global model on this node's data.
+
+Everything it needs arrives in the message: the global model's arrays and a
+ConfigRecord with the dataset, partition, model and train settings plus the data
+spec (`data.*`). Simulation nodes find their partition through `partition-id` /
+`num-partitions` in their node config; deployed SuperNodes point `data-path` at
+their own .npz file or save_to_disk directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import astuple
+from functools import lru_cache
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from app.config import ClientSettings
+from app.data import (
+    DataSpec,
+    ImageTensors,
+    check_spec,
+    load_local_data,
+    load_splits,
+    materialize,
+    partition_indices,
+    split_validation,
+)
+from app.models import build_model
+from app.telemetry import GpuTelemetry
+from app.training import evaluate, prepare_model, resolve_device, resolve_precision, train
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+app = ClientApp()
+
+DATA_SPEC_KEYS = ("data.channels", "data.height", "data.width", "data.num_classes")
+
+
+def spec_from_record(record: dict) -> DataSpec:
+    missing = [k for k in DATA_SPEC_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"message config lacks {missing}; is the ServerApp from this app?")
+    return DataSpec(*(int(record[k]) for k in DATA_SPEC_KEYS))
+
+
+def spec_to_record(spec: DataSpec) -> dict[str, int]:
+    return dict(zip(DATA_SPEC_KEYS, astuple(spec), strict=True))
+
+
+@lru_cache(maxsize=8)
+def _node_data(settings: ClientSettings, node_key: tuple[str, int, int], spec: DataSpec) -> tuple[ImageTensors, ImageTensors]:
+    data_path, partition_id, num_partitions = node_key
+    if data_path:
+        data = materialize(load_local_data(settings.dataset, data_path, settings.seed))
+        where = f"data-path={data_path}"
+    else:
+        train_source, _ = load_splits(settings.dataset, settings.seed)
+        idx = partition_indices(train_source.labels, num_partitions, partition_id, settings.partition, settings.seed)
+        data = materialize(train_source, idx)
+        where = f"partition {partition_id}/{num_partitions} of dataset={settings.dataset.name}"
+    check_spec(data, spec, where)
+    return split_validation(data, settings.dataset.val_fraction, settings.seed + partition_id)
+
+
+def node_data(context: Context, settings: ClientSettings, spec: DataSpec) -> tuple[ImageTensors, ImageTensors]:
+    """(train, validation) data of this node, cached for the life of the process."""
+    cfg = context.node_config
+    data_path = str(cfg.get("data-path", "") or "")
+    if not data_path and ("partition-id" not in cfg or "num-partitions" not in cfg):
+        raise ValueError("node config needs partition-id and num-partitions (simulation) or data-path (deployment)")
+    node_key = (data_path, int(cfg.get("partition-id", 0)), int(cfg.get("num-partitions", 1)))
+    return _node_data(settings, node_key, spec)
+
+
+def client_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """Per node and round, reproducible: same seed, round and partition give the same shuffle."""
+    return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
+
+
+def _load_global_model(msg: Message, settings: ClientSettings, spec: DataSpec) -> torch.nn.Module:
+    model = build_model(settings.model, spec)
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    return model
+
+
+@app.train()
+def train_handler(msg: Message, context: Context) -> Message:
+    record = dict(msg.content["config"])
+    settings, spec = ClientSettings.from_record(record), spec_from_record(record)
+    precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
+    train_data, _ = node_data(context, settings, spec)
+    model = prepare_model(_load_global_model(msg, settings, spec), precision)
+    seed = client_seed(settings.seed, int(record.get("server-round", 0)), int(context.node_config.get("partition-id", 0)))
+    torch.manual_seed(seed)
+    with GpuTelemetry(precision.device, settings.train.telemetry_interval_s) as telemetry:
+        stats = train(model, train_data, settings.train, precision, seed)
+    metrics: dict[str, float | int] = {
+        "num-examples": stats.num_examples,
+        "train-loss": stats.loss,
+        "train-accuracy": stats.accuracy,
+        "samples-per-s": stats.samples_per_s,
+        "wall-time-s": stats.wall_time_s,
+        "steps": stats.steps,
+        **telemetry.metrics(),
+    }
+    if stats.peak_gpu_mem_mb is not None:
+        metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_handler(msg: Message, context: Context) -> Message:
+    record = dict(msg.content["config"])
+    settings, spec = ClientSettings.from_record(record), spec_from_record(record)
+    precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
+    _, val_data = node_data(context, settings, spec)
+    model = prepare_model(_load_global_model(msg, settings, spec), precision)
+    loss, accuracy = evaluate(model, val_data, precision)
+    metrics = {"num-examples": len(val_data), "eval-loss": loss, "eval-accuracy": accuracy}
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

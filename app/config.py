@@ -1,0 +1,276 @@
+"""Hydra config: compose `conf/` with the run's overrides, type-check, validate.
+
+The ServerApp is the only component that reads the Hydra tree. What the clients
+need (dataset, partition, model, train settings and the seed) travels to them as
+flat keys in each message's ConfigRecord (`to_client_record` / `ClientSettings`).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+STRATEGIES = ("fedavg",)
+DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
+HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist")
+PARTITIONS = ("iid", "dirichlet")
+MODELS = ("cnn", "resnet18")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+AMP_MODES = ("auto", "fp16", "bf16", "off")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A config value is unusable; the message names the key, the value and what is allowed."""
+
+
+# Typed schema. OmegaConf checks types against it; `validate` checks ranges.
+# (Optional[...] rather than `X | None`: OmegaConf 2.3 reads only the former.)
+# Sections hash by value so clients can cache their data per setting.
+@dataclass(unsafe_hash=True)
+class StrategyConfig:
+    name: str = "fedavg"
+
+
+@dataclass(unsafe_hash=True)
+class DatasetConfig:
+    name: str = "digits"
+    path: Optional[str] = None
+    hf_name: Optional[str] = None
+    image_key: str = "image"
+    label_key: str = "label"
+    test_fraction: float = 0.2
+    val_fraction: float = 0.1
+
+
+@dataclass(unsafe_hash=True)
+class PartitionConfig:
+    name: str = "iid"
+    alpha: float = 0.5
+    min_partition_size: int = 10
+
+
+@dataclass(unsafe_hash=True)
+class ModelConfig:
+    name: str = "cnn"
+    width: int = 32
+
+
+@dataclass(unsafe_hash=True)
+class TrainConfig:
+    epochs: int = 3
+    batch_size: int = 32
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    amp: str = "auto"
+    grad_clip: float = 0.0
+    device: str = "auto"
+    telemetry_interval_s: float = 0.2
+
+
+@dataclass(unsafe_hash=True)
+class FederationConfig:
+    rounds: int = 10
+    fraction_train: float = 1.0
+    min_train_nodes: int = 2
+    fraction_evaluate: float = 0.0
+    min_evaluate_nodes: int = 2
+    min_available_nodes: int = 2
+    round_timeout_s: float = 600.0
+    message_ttl_s: float = 3600.0
+
+
+@dataclass
+class Config:
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    seed: int = 42
+    name: Optional[str] = None
+    resume: Optional[str] = None
+    server_device: str = "auto"
+
+
+def config_groups() -> dict[str, list[str]]:
+    """The option names of every config group under `conf/`."""
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(CONF_DIR.iterdir())
+        if d.is_dir()
+    }
+
+
+def split_overrides(overrides: str | list[str]) -> list[str]:
+    """Split the run config's overrides string; quotes stay for Hydra to parse."""
+    if isinstance(overrides, str):
+        return shlex.split(overrides, posix=False)
+    return list(overrides)
+
+
+def compose_config(overrides: str | list[str] = "") -> DictConfig:
+    """Compose `conf/` with Hydra overrides; unknown groups, options or keys fail clearly."""
+    items = split_overrides(overrides)
+    groups = config_groups()
+    for item in items:
+        key, sep, value = item.lstrip("+~").partition("=")
+        if sep and key in groups and value not in groups[key]:
+            raise ConfigError(
+                f"{key}={value!r} is not a known {key} option; "
+                f"allowed: {', '.join(groups[key])}"
+            )
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=items)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(f"bad override in {items}: {err}") from err
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def to_typed(cfg: DictConfig) -> Config:
+    """Check types against the schema (OmegaConf names the offending key)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {getattr(err, 'msg', err)}") from err
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def _one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
+    _require(value in options, key, value, "allowed: " + ", ".join(options))
+
+
+def validate(cfg: Config) -> Config:
+    """Reject values that cannot work, before any training starts."""
+    _one_of("strategy.name", cfg.strategy.name, STRATEGIES)
+
+    d = cfg.dataset
+    _one_of("dataset.name", d.name, DATASETS)
+    if d.name == "npz":
+        _require(bool(d.path), "dataset.path", d.path, "dataset=npz needs dataset.path=/abs/path/data.npz")
+        _require(Path(d.path).is_file(), "dataset.path", d.path, "no such .npz file")
+    if d.name == "hf_disk":
+        _require(bool(d.path), "dataset.path", d.path, "dataset=hf_disk needs dataset.path=<save_to_disk dir>")
+        _require(Path(d.path).is_dir(), "dataset.path", d.path, "no such directory")
+    _require(0.0 < d.test_fraction < 1.0, "dataset.test_fraction", d.test_fraction, "must be in (0, 1)")
+    _require(0.0 <= d.val_fraction < 1.0, "dataset.val_fraction", d.val_fraction, "must be in [0, 1)")
+
+    p = cfg.partition
+    _one_of("partition.name", p.name, PARTITIONS)
+    _require(p.alpha > 0, "partition.alpha", p.alpha, "must be > 0 (smaller = more label skew)")
+    _require(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size, "must be >= 1")
+
+    _one_of("model.name", cfg.model.name, MODELS)
+    _require(cfg.model.width >= 1, "model.width", cfg.model.width, "must be >= 1")
+    if cfg.model.name == "resnet18":
+        _require(cfg.model.width == 64, "model.width", cfg.model.width, "model=resnet18 is 64 wide (torchvision)")
+
+    t = cfg.train
+    _require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
+    _require(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
+    _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _require(0.0 <= t.momentum < 1.0, "train.momentum", t.momentum, "must be in [0, 1)")
+    _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _one_of("train.amp", t.amp, AMP_MODES)
+    _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    _require(bool(_DEVICE_RE.match(t.device)), "train.device", t.device, "allowed: auto, cpu, cuda, cuda:N")
+    _require(t.telemetry_interval_s > 0, "train.telemetry_interval_s", t.telemetry_interval_s, "must be > 0")
+
+    f = cfg.federation
+    _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
+    _require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
+    _require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
+    _require(0.0 <= f.fraction_evaluate <= 1.0, "federation.fraction_evaluate", f.fraction_evaluate, "must be in [0, 1]")
+    _require(f.min_evaluate_nodes >= 0, "federation.min_evaluate_nodes", f.min_evaluate_nodes, "must be >= 0")
+    _require(
+        f.min_available_nodes >= f.min_train_nodes,
+        "federation.min_available_nodes",
+        f.min_available_nodes,
+        f"must be >= federation.min_train_nodes ({f.min_train_nodes})",
+    )
+    _require(f.round_timeout_s > 0, "federation.round_timeout_s", f.round_timeout_s, "must be > 0")
+    _require(
+        f.message_ttl_s >= f.round_timeout_s,
+        "federation.message_ttl_s",
+        f.message_ttl_s,
+        f"must be >= federation.round_timeout_s ({f.round_timeout_s}) or messages expire mid-round",
+    )
+
+    _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
+    if cfg.resume is not None:
+        _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file")
+    _require(bool(_DEVICE_RE.match(cfg.server_device)), "server_device", cfg.server_device, "allowed: auto, cpu, cuda, cuda:N")
+    return cfg
+
+
+def load_config(overrides: str | list[str] = "") -> tuple[Config, DictConfig]:
+    """Compose, type-check and validate; returns the typed config and the resolved tree."""
+    raw = compose_config(overrides)
+    return validate(to_typed(raw)), raw
+
+
+# --- What the clients receive ------------------------------------------------
+
+CLIENT_SECTIONS = {
+    "dataset": DatasetConfig,
+    "partition": PartitionConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass(unsafe_hash=True)
+class ClientSettings:
+    """The part of the config a ClientApp needs, rebuilt from a ConfigRecord."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 42
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ClientSettings:
+        sections = {}
+        for section, kind in CLIENT_SECTIONS.items():
+            values = {
+                f.name: record[f"{section}.{f.name}"]
+                for f in fields(kind)
+                if f"{section}.{f.name}" in record
+            }
+            sections[section] = kind(**values)
+        return cls(**sections, seed=int(record.get("seed", 42)))
+
+
+def to_client_record(cfg: Config | ClientSettings) -> dict[str, Any]:
+    """Flatten the client-side sections into ConfigRecord-compatible scalars."""
+    flat: dict[str, Any] = {"seed": cfg.seed}
+    for section in CLIENT_SECTIONS:
+        for key, value in asdict(getattr(cfg, section)).items():
+            if value is not None:
+                flat[f"{section}.{key}"] = value
+    return flat

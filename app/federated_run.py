@@ -1,0 +1,171 @@
+"""The synchronous round loop behind the ServerApp, with results and checkpoints.
+
+Flower's `Strategy.start` cannot resume from a round or write a checkpoint between
+rounds, so the loop lives here; it drives any strategy through the same
+configure/aggregate calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from omegaconf import DictConfig
+
+from app.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from app.client_app import spec_to_record
+from app.config import Config, ConfigError, to_client_record
+from app.data import check_partitioning, data_spec, load_splits, materialize
+from app.models import build_model
+from app.results import RunRecorder, run_name
+from app.training import evaluate, resolve_device, resolve_precision
+from strategies.fedavg import FedAvg
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+
+def build_strategy(cfg: Config, device: torch.device) -> FedAvg:
+    f = cfg.federation
+    if cfg.strategy.name == "fedavg":
+        return FedAvg(
+            fraction_train=f.fraction_train,
+            min_train_nodes=f.min_train_nodes,
+            fraction_evaluate=f.fraction_evaluate,
+            min_evaluate_nodes=f.min_evaluate_nodes,
+            min_available_nodes=f.min_available_nodes,
+            message_ttl_s=f.message_ttl_s,
+            device=device,
+        )
+    raise ConfigError(f"strategy.name={cfg.strategy.name!r} is invalid: allowed: fedavg")
+
+
+def _state_dict(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    return arrays.to_torch_state_dict()
+
+
+def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in ckpt.state_dict.items()}
+    if expected != got:
+        raise ConfigError(f"resume={path}: the checkpoint's model does not match model={type(model).__name__} for this dataset")
+
+
+def _wait_for_nodes(grid: Grid, minimum: int) -> list[int]:
+    while len(nodes := list(grid.get_node_ids())) < minimum:
+        log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
+        time.sleep(1)
+    return nodes
+
+
+def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict[str, Any]:
+    """Train for `federation.rounds` rounds (or the rest of them after `resume`)."""
+    started = time.time()
+    device = resolve_device(cfg.server_device)
+    precision = resolve_precision("off", device)
+    train_source, test_source = load_splits(cfg.dataset, cfg.seed)
+    spec = data_spec(train_source, test_source)
+    test_data = materialize(test_source)
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)  # Flower's node sampling draws from Python's `random`
+    model = build_model(cfg.model, spec)
+    arrays = ArrayRecord(model.state_dict())
+    strategy = build_strategy(cfg, device)
+    first_round, elapsed_before = 1, 0.0
+    if cfg.resume:
+        ckpt = load_checkpoint(cfg.resume)
+        _check_compatible(ckpt, model, cfg.resume)
+        if ckpt.round >= cfg.federation.rounds:
+            raise ConfigError(f"resume={cfg.resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}")
+        arrays = ArrayRecord(ckpt.state_dict)
+        strategy.load_state_dict(ckpt.strategy_state)
+        restore_rng(ckpt.rng)
+        first_round, elapsed_before = ckpt.round + 1, ckpt.wall_time_s
+        recorder = RunRecorder(Path(cfg.resume).parent, resumed_after=ckpt.round)
+    else:
+        recorder = RunRecorder(root / (cfg.name or run_name(cfg.strategy.name, cfg.dataset.name)))
+    recorder.save_config(raw)
+    announce = f"results: {recorder.run_dir}"
+    log.info(announce)
+    print(announce, flush=True)
+
+    nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes)
+    check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
+    strategy.summary()
+    log.info(
+        "%d nodes, %d train / %d test examples, model %s (%d parameters), rounds %d..%d",
+        len(nodes), len(train_source.labels), len(test_data), cfg.model.name,
+        sum(p.numel() for p in model.parameters()), first_round, cfg.federation.rounds,
+    )
+    client_config = {**to_client_record(cfg), **spec_to_record(spec)}
+    timeout = cfg.federation.round_timeout_s
+
+    def central_eval(current: ArrayRecord) -> tuple[float, float]:
+        model.load_state_dict(_state_dict(current))
+        return evaluate(model.to(device), test_data, precision)
+
+    status = "failed"
+    try:
+        for rnd in range(first_round, cfg.federation.rounds + 1):
+            t0 = time.time()
+            replies = list(grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(client_config), grid), timeout=timeout))
+            new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+            report = strategy.train_report
+            if new_arrays is not None:
+                arrays = new_arrays
+            fed_eval: MetricRecord | None = None
+            if cfg.federation.fraction_evaluate > 0:
+                eval_msgs = strategy.configure_evaluate(rnd, arrays, ConfigRecord(client_config), grid)
+                fed_eval = strategy.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
+            loss, acc = central_eval(arrays)
+            now = time.time()
+            row = {
+                "round": rnd,
+                "accuracy": acc,
+                "loss": loss,
+                "wall_time_s": elapsed_before + now - started,
+                "round_time_s": now - t0,
+                "num_sampled": report.sampled,
+                "num_clients": len(report.accepted),
+                "num_rejected": len(report.rejected),
+                "num_missing": report.sampled - len(replies),
+                "model_updated": new_arrays is not None,
+                "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
+                "train": dict(train_metrics) if train_metrics else {},
+                "federated_eval": dict(fed_eval) if fed_eval else {},
+            }
+            recorder.log_round(row)
+            save_checkpoint(
+                recorder.checkpoint_path,
+                Checkpoint(_state_dict(arrays), rnd, strategy.state_dict(), capture_rng(), row["wall_time_s"]),
+            )
+            log.info(
+                "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
+                rnd, cfg.federation.rounds, acc, loss, row["round_time_s"], row["num_clients"], row["num_rejected"],
+                f"  missing {row['num_missing']}" if row["num_missing"] else "",
+            )
+        status = "completed"
+    finally:
+        torch.save(_state_dict(arrays), recorder.final_model_path)
+        summary = recorder.finish(
+            status,
+            elapsed_before + time.time() - started,
+            {
+                "strategy": cfg.strategy.name,
+                "dataset": cfg.dataset.name,
+                "model": cfg.model.name,
+                "num_nodes": len(nodes),
+                "final_model": str(recorder.final_model_path),
+                "checkpoint": str(recorder.checkpoint_path),
+            },
+        )
+        done = f"run {status}: final accuracy {summary['final_accuracy']}, results: {recorder.run_dir}"
+        log.info(done)
+        print(done, flush=True)
+    return summary

@@ -1,0 +1,51 @@
+"""Models; input channels, image size and class count come from the data (`DataSpec`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchvision.models import resnet18
+
+from app.config import ConfigError, ModelConfig
+from app.data import DataSpec
+
+
+class SmallCNN(nn.Module):
+    """Three 3x3 conv blocks and global average pooling.
+
+    GroupNorm instead of BatchNorm: no running statistics to average across clients
+    with different label mixes, and Opacus (DP-SGD) accepts it as is.
+    """
+
+    def __init__(self, spec: DataSpec, width: int = 32) -> None:
+        super().__init__()
+        w = width
+
+        def block(cin: int, cout: int) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(min(8, cout), cout), nn.ReLU(inplace=True)]
+
+        layers: list[nn.Module] = [*block(spec.channels, w), *block(w, 2 * w)]
+        if min(spec.height, spec.width) >= 4:
+            layers.append(nn.MaxPool2d(2))
+        layers += [*block(2 * w, 4 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, spec.num_classes)]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def resnet18_small(spec: DataSpec) -> nn.Module:
+    """torchvision ResNet-18 for 32x32 inputs: 3x3 stride-1 stem, no max-pool."""
+    model = resnet18(num_classes=spec.num_classes)
+    model.conv1 = nn.Conv2d(spec.channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
+    """The configured model for data of the given shape."""
+    if cfg.name == "cnn":
+        return SmallCNN(spec, cfg.width)
+    if cfg.name == "resnet18":
+        return resnet18_small(spec)
+    raise ConfigError(f"model.name={cfg.name!r} is invalid: allowed: cnn, resnet18")

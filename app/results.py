@@ -1,0 +1,111 @@
+"""A run's results directory: config.yaml, metrics.jsonl, summary.json, curves.png,
+checkpoint.pt and model_final.pt under <output-dir>/<run name>/."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+DEFAULT_OUTPUT_ROOT = Path.home() / "fedgpu-runs"
+
+
+def output_root(configured: str) -> Path:
+    """The results root: the run config's `output-dir`, or ~/fedgpu-runs.
+
+    The ServerApp runs from a copy of the app under $FLWR_HOME/apps, so a relative
+    path would land inside that copy; it is refused.
+    """
+    if not configured:
+        return DEFAULT_OUTPUT_ROOT
+    path = Path(os.path.expanduser(configured))
+    if not path.is_absolute():
+        raise ValueError(f"output-dir={configured!r} must be an absolute path (the ServerApp runs from a copy of the app)")
+    return path
+
+
+def run_name(strategy: str, dataset: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{strategy}-{dataset}"
+
+
+def _clean(value: Any) -> Any:  # noqa: ANN401
+    """JSON has no NaN: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+class RunRecorder:
+    """Appends one JSON line per round and writes the summary and plot at the end."""
+
+    def __init__(self, run_dir: Path, resumed_after: int = 0) -> None:
+        self.run_dir = run_dir.resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.checkpoint_path = self.run_dir / "checkpoint.pt"
+        self.final_model_path = self.run_dir / "model_final.pt"
+        self.rows: list[dict[str, Any]] = []
+        if resumed_after and self.metrics_path.exists():
+            # Rounds after the checkpoint were lost with the crash; they are re-run.
+            lines = self.metrics_path.read_text().splitlines()
+            self.rows = [r for r in map(json.loads, filter(None, lines)) if r["round"] <= resumed_after]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+
+    def save_config(self, cfg: DictConfig) -> None:
+        OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
+
+    def log_round(self, row: dict[str, Any]) -> None:
+        row = _clean(row)
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def finish(self, status: str, wall_time_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+        accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
+        best = max(range(len(accs)), key=accs.__getitem__) if accs else None
+        summary = {
+            "status": status,
+            "final_accuracy": accs[-1] if accs else None,
+            "best_accuracy": accs[best] if best is not None else None,
+            "best_round": self.rows[best]["round"] if best is not None else None,
+            "rounds_completed": self.rows[-1]["round"] if self.rows else 0,
+            "wall_time_s": wall_time_s,
+            "run_dir": str(self.run_dir),
+            **extra,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
+        if self.rows:
+            self.plot()
+        return summary
+
+    def plot(self) -> Path:
+        """Accuracy and loss of the global model per round (curves.png)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rounds = [r["round"] for r in self.rows]
+        fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+        ax_acc.plot(rounds, [r["accuracy"] for r in self.rows], marker="o")
+        ax_acc.set(xlabel="round", ylabel="test accuracy", title="Global model accuracy")
+        ax_acc.grid(alpha=0.3)
+        ax_loss.plot(rounds, [r["loss"] for r in self.rows], marker="o", color="tab:red")
+        ax_loss.set(xlabel="round", ylabel="test loss", title="Global model loss")
+        ax_loss.grid(alpha=0.3)
+        fig.suptitle(self.run_dir.name)
+        fig.tight_layout()
+        path = self.run_dir / "curves.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

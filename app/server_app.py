@@ -1,0 +1,38 @@
+"""The ServerApp: compose and validate the Hydra config, then run the federation.
+
+Run config keys (pyproject.toml): `overrides` (Hydra overrides for conf/) and
+`output-dir` (absolute results root; empty = ~/fedgpu-runs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from app.config import ConfigError, load_config
+from app.data import DatasetUnavailableError
+from app.federated_run import run_federation
+from app.results import output_root
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    overrides = str(context.run_config.get("overrides", ""))
+    try:
+        root = output_root(str(context.run_config.get("output-dir", "")))
+        cfg, raw = load_config(overrides)
+    except (ConfigError, ValueError) as err:
+        log.error("invalid configuration, nothing was run: %s", err)
+        raise
+    log.info("overrides: %r", overrides)
+    try:
+        run_federation(grid, cfg, raw, root)
+    except (ConfigError, DatasetUnavailableError) as err:
+        log.error("%s", err)
+        raise

@@ -1,0 +1,191 @@
+"""The ClientApp's training and evaluation loops.
+
+Fast by construction, in the spirit of airbench: the partition is copied to the
+device once (from pinned memory, non-blocking), batches are index gathers on the
+device, loss and accuracy accumulate on the device, and the host synchronises once
+per call. CUDA adds channels_last, cuDNN autotuning and autocast (bf16, or fp16 with
+a GradScaler).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.config import ConfigError, TrainConfig
+from app.data import ImageTensors
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+_AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Where and in which precision to compute."""
+
+    device: torch.device
+    amp: str  # "fp16" | "bf16" | "off" after resolving "auto"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return _AMP_DTYPES[self.amp]
+
+    @property
+    def channels_last(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass
+class TrainStats:
+    loss: float
+    accuracy: float
+    num_examples: int
+    steps: int
+    samples_per_s: float
+    wall_time_s: float
+    peak_gpu_mem_mb: float | None
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but no CUDA device is visible; use auto or cpu")
+    return torch.device(name)
+
+
+def resolve_precision(amp: str, device: torch.device) -> Precision:
+    """Map the configured AMP mode to one this device supports (and say so when it differs)."""
+    if amp not in ("auto", *_AMP_DTYPES):
+        raise ConfigError(f"train.amp={amp!r} is invalid: allowed: auto, fp16, bf16, off")
+    if device.type == "cuda":
+        if amp == "auto":
+            amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    elif amp == "auto":
+        amp = "off"
+    elif amp == "fp16":
+        log.warning("train.amp=fp16 needs CUDA; using bf16 autocast on %s instead", device)
+        amp = "bf16"
+    return Precision(device=device, amp=amp)
+
+
+def prepare_model(model: nn.Module, precision: Precision) -> nn.Module:
+    model = model.to(precision.device)
+    if precision.channels_last:
+        torch.backends.cudnn.benchmark = True
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def to_device(data: ImageTensors, device: torch.device) -> ImageTensors:
+    """One host-to-device copy of the whole partition (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return data
+    return ImageTensors(
+        x=data.x.pin_memory().to(device, non_blocking=True),
+        y=data.y.pin_memory().to(device, non_blocking=True),
+    )
+
+
+def model_inputs(x: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """uint8 0-255 or float 0-1 images to float 0-1, in the device's preferred layout."""
+    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+    return x.contiguous(memory_format=torch.channels_last) if precision.channels_last else x
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ConfigError(f"train.optimizer={cfg.optimizer!r} is invalid: allowed: sgd, adam, adamw")
+
+
+def batch_indices(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[torch.Tensor]:
+    """A seeded shuffle split into batches; a trailing batch of one is dropped (BatchNorm)."""
+    perm = torch.randperm(n, generator=generator).to(device, non_blocking=True)
+    batches = list(perm.split(batch_size))
+    if len(batches) > 1 and len(batches[-1]) < 2:
+        batches.pop()
+    return batches
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Precision, seed: int) -> TrainStats:
+    """`cfg.epochs` epochs of mini-batch training; the model is updated in place."""
+    device = precision.device
+    model.train()
+    optimizer = make_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.amp == "fp16")
+    generator = torch.Generator().manual_seed(seed)
+    on_device = to_device(data, device)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    seen, steps = 0, 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(cfg.epochs):
+        for idx in batch_indices(len(data), cfg.batch_size, generator, device):
+            xb, yb = model_inputs(on_device.x[idx], precision), on_device.y[idx]
+            with torch.autocast(device.type, dtype=precision.dtype, enabled=precision.dtype is not None):
+                logits = model(xb)
+                loss = F.cross_entropy(logits, yb)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            loss_sum += loss.detach().float() * len(idx)
+            correct += (logits.argmax(1) == yb).sum()
+            seen += len(idx)
+            steps += 1
+    _sync(device)
+    wall = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return TrainStats(
+        loss=float(loss_sum) / max(seen, 1),
+        accuracy=float(correct) / max(seen, 1),
+        num_examples=len(data),
+        steps=steps,
+        samples_per_s=seen / wall if wall > 0 else 0.0,
+        wall_time_s=wall,
+        peak_gpu_mem_mb=peak,
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: ImageTensors, precision: Precision, batch_size: int = 512) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) over `data`; (nan, nan) when it is empty."""
+    if len(data) == 0:
+        return float("nan"), float("nan")
+    device = precision.device
+    model.eval()
+    on_device = to_device(data, device)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, len(data), batch_size):
+        xb = model_inputs(on_device.x[start : start + batch_size], precision)
+        yb = on_device.y[start : start + batch_size]
+        with torch.autocast(device.type, dtype=precision.dtype, enabled=precision.dtype is not None):
+            logits = model(xb)
+        loss_sum += F.cross_entropy(logits.float(), yb, reduction="sum")
+        correct += (logits.argmax(1) == yb).sum()
+    return float(loss_sum) / len(data), float(correct) / len(data)

@@ -1,0 +1,1 @@
+"""Our Flower strategies and the tensor maths they share."""

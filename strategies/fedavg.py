@@ -1,0 +1,134 @@
+"""Federated Averaging with validated replies and in-place tensor aggregation.
+
+McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from
+Decentralized Data", https://arxiv.org/abs/1602.05629: the new global model is the
+mean of the client models weighted by their example counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+from strategies.replies import ArraySpec, Rejection, screen_replies, specs_of, weighted_metrics
+from strategies.tensor_ops import tensors_to_record, weighted_mean
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+
+@dataclass
+class RoundReport:
+    """Who took part in the last aggregation, for logs and metrics.jsonl."""
+
+    sampled: int = 0
+    accepted: list[int] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+class FedAvg(Strategy):
+    """Sample-weighted FedAvg (a Flower message-API strategy).
+
+    Every reply is screened first (error replies, non-finite values, keys, shapes or
+    dtypes that differ from the global model sent out, a missing or non-positive
+    `num-examples`); rejected replies are logged with node id and reason and left out.
+    A round with no valid reply returns no arrays, so the caller keeps the old model.
+    """
+
+    def __init__(
+        self,
+        *,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        message_ttl_s: float = 3600.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.fraction_train = fraction_train
+        self.min_train_nodes = min_train_nodes
+        self.fraction_evaluate = fraction_evaluate
+        self.min_evaluate_nodes = min_evaluate_nodes
+        self.min_available_nodes = min_available_nodes
+        self.message_ttl_s = message_ttl_s
+        self.device = torch.device(device)
+        self.train_report = RoundReport()
+        self.evaluate_report = RoundReport()
+        self._specs: dict[str, ArraySpec] = {}
+
+    def summary(self) -> None:
+        log.info(
+            "%s: train %.2f of nodes (min %d), evaluate %.2f (min %d), min available %d, "
+            "message TTL %.0f s, aggregating on %s",
+            type(self).__name__,
+            self.fraction_train,
+            self.min_train_nodes,
+            self.fraction_evaluate,
+            self.min_evaluate_nodes,
+            self.min_available_nodes,
+            self.message_ttl_s,
+            self.device,
+        )
+
+    # --- sending ---------------------------------------------------------------
+    def _messages(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid, fraction: float, minimum: int, kind: str
+    ) -> list[Message]:
+        if fraction == 0.0:
+            return []
+        wanted = max(int(len(list(grid.get_node_ids())) * fraction), minimum)
+        node_ids, _ = sample_nodes(grid, max(self.min_available_nodes, wanted), wanted)
+        config["server-round"] = server_round
+        content = RecordDict({"arrays": arrays, "config": config})
+        return [
+            Message(content=content, message_type=kind, dst_node_id=node, ttl=self.message_ttl_s, group_id=str(server_round))
+            for node in node_ids
+        ]
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """Sample nodes and send them the global model; remember its layout to screen replies."""
+        self._specs = specs_of(arrays)
+        messages = self._messages(server_round, arrays, config, grid, self.fraction_train, self.min_train_nodes, MessageType.TRAIN)
+        self.train_report = RoundReport(sampled=len(messages))
+        return messages
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        messages = self._messages(
+            server_round, arrays, config, grid, self.fraction_evaluate, self.min_evaluate_nodes, MessageType.EVALUATE
+        )
+        self.evaluate_report = RoundReport(sampled=len(messages))
+        return messages
+
+    # --- aggregating ------------------------------------------------------------
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        screened = screen_replies(replies, self._specs)
+        self.train_report.accepted = [r.node_id for r in screened.valid]
+        self.train_report.rejected = screened.rejected
+        if not screened.valid:
+            log.warning("round %d: no valid training reply; keeping the previous global model", server_round)
+            return None, None
+        averaged = weighted_mean([r.arrays for r in screened.valid], [r.weight for r in screened.valid], self.device)
+        return tensors_to_record(averaged), weighted_metrics(screened.valid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        screened = screen_replies(replies, None)
+        self.evaluate_report.accepted = [r.node_id for r in screened.valid]
+        self.evaluate_report.rejected = screened.rejected
+        return weighted_metrics(screened.valid) if screened.valid else None
+
+    # --- checkpointing ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state for checkpoints (FedAvg carries none across rounds)."""
+        return {"strategy": type(self).__name__}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != type(self).__name__:
+            raise ValueError(f"checkpoint holds {state.get('strategy')} state, not {type(self).__name__}")

@@ -1,0 +1,141 @@
+"""Validation of client replies before anything is aggregated.
+
+A federation is open to broken and malicious nodes: every reply is checked against
+the global model it was trained from (keys, shapes, dtypes, finite values) and for a
+usable example count. Bad replies are rejected with the node id and the reason; the
+rest are aggregated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from strategies.tensor_ops import TensorDict, array_view, is_finite
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+WEIGHT_KEY = "num-examples"
+
+
+class InvalidReply(ValueError):
+    """Why one reply cannot be used."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def specs_of(record: ArrayRecord) -> dict[str, ArraySpec]:
+    """Key -> (shape, dtype) of the global model, the yardstick for replies."""
+    return {k: ArraySpec(tuple(a.shape), a.dtype) for k, a in record.items()}
+
+
+@dataclass
+class ValidReply:
+    node_id: int
+    weight: float
+    metrics: MetricRecord
+    arrays: TensorDict = field(default_factory=dict)
+
+
+@dataclass
+class Rejection:
+    node_id: int
+    reason: str
+
+
+@dataclass
+class Screened:
+    """The outcome of screening one round's replies."""
+
+    valid: list[ValidReply] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+def _only_record(records: dict, kind: str) -> object:  # noqa: ANN401
+    if len(records) != 1:
+        raise InvalidReply(f"expected exactly one {kind}, got {len(records)}")
+    return next(iter(records.values()))
+
+
+def reply_weight(metrics: MetricRecord, weight_key: str = WEIGHT_KEY) -> float:
+    if weight_key not in metrics:
+        raise InvalidReply(f"missing {weight_key!r} in its MetricRecord")
+    value = metrics[weight_key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidReply(f"{weight_key!r} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidReply(f"{weight_key!r}={value} must be a finite number > 0")
+    return float(value)
+
+
+def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec]) -> TensorDict:
+    """Zero-copy tensors of a reply's arrays, or InvalidReply naming the first problem."""
+    missing, extra = specs.keys() - record.keys(), record.keys() - specs.keys()
+    if missing or extra:
+        raise InvalidReply(f"array keys differ from the global model (missing {sorted(missing)}, unexpected {sorted(extra)})")
+    tensors: TensorDict = {}
+    for key, spec in specs.items():
+        arr = record[key]
+        if tuple(arr.shape) != spec.shape or arr.dtype != spec.dtype:
+            raise InvalidReply(f"{key}: {arr.dtype}{list(arr.shape)} != global {spec.dtype}{list(spec.shape)}")
+        try:
+            tensor = array_view(arr)
+        except ValueError as err:
+            raise InvalidReply(f"{key}: {err}") from err
+        if not is_finite(tensor):
+            raise InvalidReply(f"{key}: non-finite values (NaN or Inf)")
+        tensors[key] = tensor
+    return tensors
+
+
+def screen_reply(msg: Message, specs: dict[str, ArraySpec] | None, weight_key: str = WEIGHT_KEY) -> ValidReply:
+    """Validate one reply; `specs=None` checks metrics only (evaluation replies)."""
+    if msg.has_error():
+        raise InvalidReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
+    content = msg.content
+    metrics = _only_record(content.metric_records, "MetricRecord")
+    weight = reply_weight(metrics, weight_key)
+    arrays = check_arrays(_only_record(content.array_records, "ArrayRecord"), specs) if specs is not None else {}
+    return ValidReply(node_id=msg.metadata.src_node_id, weight=weight, metrics=metrics, arrays=arrays)
+
+
+def screen_replies(
+    replies: Iterable[Message], specs: dict[str, ArraySpec] | None, weight_key: str = WEIGHT_KEY
+) -> Screened:
+    """Split replies into valid ones and logged rejections."""
+    out = Screened()
+    for msg in replies:
+        try:
+            out.valid.append(screen_reply(msg, specs, weight_key))
+        except InvalidReply as err:
+            node = msg.metadata.src_node_id
+            out.rejected.append(Rejection(node, str(err)))
+            log.warning("rejected reply from node %s: %s", node, err)
+    return out
+
+
+def weighted_metrics(valid: list[ValidReply], weight_key: str = WEIGHT_KEY) -> MetricRecord:
+    """Per key, the weight-averaged value over the replies that report it.
+
+    Unlike Flower's `aggregate_metricrecords`, nodes may report different keys (a GPU
+    node sends telemetry, a CPU node does not). Non-finite values are skipped.
+    """
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for reply in valid:
+        for key, value in reply.metrics.items():
+            if key == weight_key or isinstance(value, list) or not math.isfinite(value):
+                continue
+            sums[key] = sums.get(key, 0.0) + reply.weight * float(value)
+            weights[key] = weights.get(key, 0.0) + reply.weight
+    record = MetricRecord({k: sums[k] / weights[k] for k in sorted(sums)})
+    record[weight_key] = sum(r.weight for r in valid)
+    return record
