@@ -139,7 +139,12 @@ def compose_config(overrides: str | list[str] = "") -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=items)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(f"bad override in {items}: {err}") from err
+        text = str(err)
+        unknown = [i for i in items if f"override '{i.partition('=')[0]}'" in text]
+        if unknown:
+            key = unknown[0].partition("=")[0]
+            raise ConfigError(f"{key} is not a config key (typo?); the keys of each group are in conf/") from err
+        raise ConfigError(f"bad override in {items}: {text.splitlines()[0]}") from err
     finally:
         GlobalHydra.instance().clear()
 
@@ -151,7 +156,7 @@ def to_typed(cfg: DictConfig) -> Config:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {getattr(err, 'msg', err)}") from err
+        raise ConfigError(f"{key}: {str(getattr(err, 'msg', err)).splitlines()[0]}") from err
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

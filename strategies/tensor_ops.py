@@ -115,6 +115,9 @@ def flatten(tensors: Mapping[str, torch.Tensor], device: torch.device | None = N
 
 def unflatten(vector: torch.Tensor, like: Mapping[str, torch.Tensor]) -> TensorDict:
     """Inverse of `flatten`: floating-point tensors are cut from `vector`, the rest copied from `like`."""
+    needed = sum(t.numel() for t in like.values() if t.is_floating_point())
+    if needed != vector.numel():
+        raise ValueError(f"vector has {vector.numel()} values, the model needs {needed}")
     out: TensorDict = {}
     offset = 0
     for key, ref in like.items():
@@ -124,6 +127,4 @@ def unflatten(vector: torch.Tensor, like: Mapping[str, torch.Tensor]) -> TensorD
             offset += n
         else:
             out[key] = ref.clone()
-    if offset != vector.numel():
-        raise ValueError(f"vector has {vector.numel()} values, the model needs {offset}")
     return out

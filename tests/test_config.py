@@ -1,0 +1,108 @@
+"""Bad config values are rejected before any work, with the key, value and what is allowed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from app.config import ClientSettings, ConfigError, PartitionConfig, load_config, to_client_record
+from app.data import check_partitioning
+from app.results import output_root
+
+
+def test_defaults_compose_and_validate():
+    cfg, raw = load_config("")
+    assert (cfg.strategy.name, cfg.dataset.name, cfg.partition.name, cfg.model.name) == ("fedavg", "digits", "iid", "cnn")
+    assert raw.train.amp == "auto"
+
+
+def test_overrides_string_is_applied():
+    cfg, _ = load_config("partition=dirichlet partition.alpha=0.3 train.amp=bf16 federation.rounds=4 seed=7")
+    assert cfg.partition.name == "dirichlet" and cfg.partition.alpha == 0.3
+    assert cfg.train.amp == "bf16" and cfg.federation.rounds == 4 and cfg.seed == 7
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ("strategy=fedprox", ["strategy='fedprox'", "allowed: fedavg"]),
+        ("model=vit", ["model='vit'", "cnn, resnet18"]),
+        ("dataset=imagenet", ["dataset='imagenet'", "digits"]),
+        ("train.lr=0", ["train.lr=0", "> 0"]),
+        ("train.lr=-0.1", ["train.lr=-0.1", "> 0"]),
+        ("train.lr=abc", ["train.lr", "abc"]),
+        ("federation.rounds=0", ["federation.rounds=0", ">= 1"]),
+        ("partition=dirichlet partition.alpha=0", ["partition.alpha=0", "> 0"]),
+        ("partition=dirichlet partition.alpha=-1", ["partition.alpha=-1", "> 0"]),
+        ("train.batch_size=0", ["train.batch_size=0", ">= 1"]),
+        ("train.epochs=0", ["train.epochs=0", ">= 1"]),
+        ("train.amp=fp8", ["train.amp='fp8'", "fp16, bf16, off"]),
+        ("train.optimizer=lbfgs", ["train.optimizer='lbfgs'", "sgd"]),
+        ("train.device=tpu", ["train.device='tpu'", "cuda:N"]),
+        ("train.grad_clip=-1", ["train.grad_clip=-1", ">= 0"]),
+        ("federation.fraction_train=0", ["federation.fraction_train=0", "(0, 1]"]),
+        ("federation.fraction_train=1.5", ["federation.fraction_train=1.5", "(0, 1]"]),
+        ("federation.min_train_nodes=5 federation.min_available_nodes=2", ["federation.min_available_nodes=2", ">= federation.min_train_nodes"]),
+        ("federation.message_ttl_s=10 federation.round_timeout_s=60", ["federation.message_ttl_s=10", "expire"]),
+        ("dataset=npz", ["dataset.path=None", "dataset=npz needs dataset.path"]),
+        ("dataset=npz dataset.path=/no/such/file.npz", ["dataset.path='/no/such/file.npz'", "no such .npz file"]),
+        ("dataset=hf_disk dataset.path=/no/such/dir", ["dataset.path='/no/such/dir'", "no such directory"]),
+        ("dataset.test_fraction=1.0", ["dataset.test_fraction=1.0", "(0, 1)"]),
+        ("model=resnet18 model.width=32", ["model.width=32", "64 wide"]),
+        ("resume=/no/checkpoint.pt", ["resume='/no/checkpoint.pt'", "no such checkpoint"]),
+        ("seed=-1", ["seed=-1", ">= 0"]),
+        ("train.lrr=0.1", ["train.lrr is not a config key"]),
+        ("federation.rounds=[1,2", ["bad override"]),
+        ("server_device=gpu", ["server_device='gpu'"]),
+    ],
+)
+def test_bad_value_is_rejected_with_its_key(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    for word in words:
+        assert word in str(err.value), f"{str(err.value)!r} lacks {word!r}"
+
+
+def test_more_partitions_than_samples_is_rejected():
+    with pytest.raises(ConfigError, match=r"num-partitions=2000 .* more partitions than the 1437"):
+        check_partitioning(1437, 2000, PartitionConfig())
+    with pytest.raises(ConfigError, match="partition.min_partition_size=10"):
+        check_partitioning(100, 20, PartitionConfig(name="dirichlet", min_partition_size=10))
+    check_partitioning(1437, 100, PartitionConfig())
+
+
+def test_output_dir_must_be_absolute(tmp_path):
+    assert output_root(str(tmp_path)) == tmp_path
+    assert output_root("").is_absolute()
+    with pytest.raises(ValueError, match="output-dir='runs' must be an absolute path"):
+        output_root("runs")
+
+
+def test_npz_path_that_exists_is_accepted(tmp_path):
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.zeros((4, 8, 8), np.uint8), y=np.arange(4))
+    cfg, _ = load_config(f"dataset=npz dataset.path={path}")
+    assert cfg.dataset.path == str(path)
+
+
+def test_client_settings_roundtrip_through_a_config_record():
+    from flwr.app import ConfigRecord
+
+    cfg, _ = load_config("train.lr=0.2 train.amp=bf16 partition=dirichlet seed=3")
+    record = ConfigRecord(to_client_record(cfg))  # only ConfigRecord-legal scalars
+    settings = ClientSettings.from_record(dict(record))
+    assert settings == ClientSettings(cfg.dataset, cfg.partition, cfg.model, cfg.train, cfg.seed)
+
+
+def test_server_app_refuses_bad_config_before_any_work(tmp_path):
+    from app.server_app import main
+
+    class NoGrid:
+        def __getattr__(self, name):
+            raise AssertionError(f"the grid was used ({name}) despite a bad config")
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"overrides": "train.lr=-1", "output-dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="train.lr=-1"):
+        main(NoGrid(), context)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,139 @@
+"""Datasets, partitions and the user's own data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from app.config import DatasetConfig, PartitionConfig
+from app.data import (
+    DatasetUnavailableError,
+    data_spec,
+    load_local_data,
+    load_splits,
+    materialize,
+    partition_indices,
+    to_nchw,
+)
+
+DIRICHLET = PartitionConfig(name="dirichlet", alpha=0.1, min_partition_size=5)
+
+
+def _all_partitions(labels, n, cfg, seed):
+    return [partition_indices(labels, n, i, cfg, seed) for i in range(n)]
+
+
+def test_digits_ship_offline_and_split_deterministically():
+    train, test = load_splits(DatasetConfig(), seed=1)
+    assert len(train.labels) + len(test.labels) == 1797
+    assert len(test.labels) == 360  # ceil(0.2 * 1797)
+    spec = data_spec(train, test)
+    assert (spec.channels, spec.height, spec.width, spec.num_classes) == (1, 8, 8, 10)
+    data = materialize(test)
+    assert data.x.dtype.is_floating_point is False and int(data.x.max()) == 255
+
+
+@pytest.mark.parametrize("cfg", [PartitionConfig(), DIRICHLET], ids=["iid", "dirichlet"])
+def test_partitions_are_deterministic_per_seed_and_disjoint(cfg):
+    labels = load_splits(DatasetConfig(), seed=0)[0].labels
+    first = _all_partitions(labels, 6, cfg, seed=3)
+    again = _all_partitions(labels, 6, cfg, seed=3)
+    other = _all_partitions(labels, 6, cfg, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    joined = np.concatenate(first)
+    assert len(joined) == len(np.unique(joined)) == len(labels)  # disjoint and complete
+
+
+def test_dirichlet_with_small_alpha_is_visibly_skewed():
+    labels = load_splits(DatasetConfig(), seed=0)[0].labels
+
+    def majority_share(cfg):
+        parts = _all_partitions(labels, 8, cfg, seed=0)
+        return np.mean([np.bincount(labels[p], minlength=10).max() / len(p) for p in parts])
+
+    iid, skewed = majority_share(PartitionConfig()), majority_share(DIRICHLET)
+    assert iid < 0.2  # about 1/10 of each partition is its most common digit
+    assert skewed > 0.4 and skewed > 2 * iid
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [((5, 8, 8), (5, 1, 8, 8)), ((5, 3, 16, 16), (5, 3, 16, 16)), ((5, 16, 16, 3), (5, 3, 16, 16))],
+)
+def test_npz_images_in_any_layout(tmp_path, shape, expected):
+    path = tmp_path / "mine.npz"
+    np.savez(path, x=np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8), y=np.arange(5) % 2)
+    source = load_local_data(DatasetConfig(name="npz"), str(path), seed=0)
+    assert materialize(source).x.shape == expected
+
+
+def test_npz_with_own_test_split_and_float_images(tmp_path):
+    path = tmp_path / "mine.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.random((40, 1, 6, 6)), y=rng.integers(0, 3, 40), x_test=rng.random((9, 1, 6, 6)), y_test=rng.integers(0, 3, 9))
+    train, test = load_splits(DatasetConfig(name="npz", path=str(path)), seed=0)
+    assert len(train.labels) == 40 and len(test.labels) == 9
+    assert materialize(train).x.dtype.is_floating_point
+
+
+def test_npz_errors_are_actionable(tmp_path):
+    path = tmp_path / "bad.npz"
+    np.savez(path, images=np.zeros((3, 4, 4)))
+    with pytest.raises(DatasetUnavailableError, match="no array 'x'"):
+        load_local_data(DatasetConfig(name="npz"), str(path), seed=0)
+    with pytest.raises(DatasetUnavailableError, match=r"N x H x W or N x C x H x W"):
+        to_nchw(np.zeros((3, 4)))
+    with pytest.raises(DatasetUnavailableError, match="neither a .npz file nor a directory"):
+        load_local_data(DatasetConfig(name="npz"), str(tmp_path / "missing.npz"), seed=0)
+
+
+def _image_dataset(n: int, seed: int):
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    images = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(n)]
+    return datasets.Dataset.from_dict({"img": images, "label": (np.arange(n) % 10).tolist()}, features=features)
+
+
+def test_hf_save_to_disk_directory(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": _image_dataset(30, 0), "test": _image_dataset(10, 1)}).save_to_disk(tmp_path / "ds")
+    cfg = DatasetConfig(name="hf_disk", path=str(tmp_path / "ds"), image_key="img")
+    train, test = load_splits(cfg, seed=0)
+    assert (len(train.labels), len(test.labels)) == (30, 10)
+    data = materialize(train, partition_indices(train.labels, 3, 1, PartitionConfig(), seed=0))
+    assert data.x.shape == (10, 3, 32, 32)
+    with pytest.raises(DatasetUnavailableError, match="column 'image' not in"):
+        load_splits(DatasetConfig(name="hf_disk", path=str(tmp_path / "ds")), seed=0)
+
+
+def test_hub_loader_on_a_local_dataset(tmp_path):
+    """The CIFAR-10 path (Flower Datasets' FederatedDataset) on a dataset the test builds."""
+    (tmp_path / "data").mkdir()
+    _image_dataset(40, 0).to_parquet(tmp_path / "data" / "train-00000.parquet")
+    _image_dataset(12, 1).to_parquet(tmp_path / "data" / "test-00000.parquet")
+    cfg = DatasetConfig(name="cifar10", hf_name=str(tmp_path), image_key="img")
+    train, test = load_splits(cfg, seed=0)
+    assert (len(train.labels), len(test.labels)) == (40, 12)
+    spec = data_spec(train, test)
+    assert (spec.channels, spec.height, spec.width, spec.num_classes) == (3, 32, 32, 10)
+
+
+def test_hub_dataset_offline_fails_with_what_to_do():
+    code = (
+        "from app.config import DatasetConfig\nfrom app.data import load_splits\n"
+        "load_splits(DatasetConfig(name='cifar10', hf_name='uoft-cs/cifar10', image_key='img'), 0)"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent-hf-home"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "DatasetUnavailableError: dataset=cifar10" in proc.stderr
+    assert "offline" in proc.stderr and "dataset=hf_disk" in proc.stderr

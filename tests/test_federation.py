@@ -1,0 +1,133 @@
+"""The ServerApp's round loop end to end with an in-process grid (fast, deterministic)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import context_for
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from inprocess_grid import InProcessGrid
+
+from app.client_app import app as client_app
+from app.client_app import spec_to_record
+from app.config import load_config, to_client_record
+from app.data import DataSpec
+from app.federated_run import run_federation
+
+FAST = "federation.rounds={rounds} train.epochs=2 seed=3"
+
+
+def _run(tmp_path, overrides: str, nodes: int = 3, tamper=None):
+    cfg, raw = load_config(overrides)
+    return run_federation(InProcessGrid(client_app, nodes, tamper=tamper), cfg, raw, tmp_path)
+
+
+def _rows(summary) -> list[dict]:
+    with open(f"{summary['run_dir']}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_small_federation_learns_and_writes_all_results(tmp_path):
+    summary = _run(tmp_path, FAST.format(rounds=3) + " name=demo")
+    run_dir = tmp_path / "demo"
+    assert summary["run_dir"] == str(run_dir)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["final_accuracy"] > 0.5  # chance is 0.1
+    assert summary["best_accuracy"] >= summary["final_accuracy"]
+    rows = _rows(summary)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert {"round", "accuracy", "loss", "wall_time_s", "num_clients", "num_rejected"} <= row.keys()
+        assert row["num_clients"] == 3 and row["num_rejected"] == 0
+        assert row["train"]["num-examples"] > 0 and row["train"]["gpu-telemetry"] == 0.0
+    assert rows[0]["wall_time_s"] < rows[-1]["wall_time_s"]
+    for name in ("config.yaml", "summary.json", "curves.png", "model_final.pt", "checkpoint.pt"):
+        assert (run_dir / name).is_file(), name
+    assert "rounds: 3" in (run_dir / "config.yaml").read_text()
+    final = torch.load(run_dir / "model_final.pt", weights_only=True)
+    assert "net.0.weight" in final
+
+
+def test_resume_gives_the_same_rounds_and_model_as_an_uninterrupted_run(tmp_path):
+    whole = _run(tmp_path / "a", FAST.format(rounds=4) + " name=whole")
+    first = _run(tmp_path / "b", FAST.format(rounds=2) + " name=part")
+    checkpoint = tmp_path / "b" / "part" / "checkpoint.pt"
+    resumed = _run(tmp_path / "b", FAST.format(rounds=4) + f" name=part resume={checkpoint}")
+    assert first["rounds_completed"] == 2
+    assert resumed["rounds_completed"] == whole["rounds_completed"] == 4
+    assert [r["round"] for r in _rows(resumed)] == [1, 2, 3, 4]
+    a = torch.load(tmp_path / "a" / "whole" / "model_final.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "part" / "model_final.pt", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6)
+    assert resumed["final_accuracy"] == pytest.approx(whole["final_accuracy"])
+
+
+def test_resume_past_the_last_round_is_refused(tmp_path):
+    from app.config import ConfigError
+
+    _run(tmp_path, FAST.format(rounds=1) + " name=r")
+    with pytest.raises(ConfigError, match="already reached federation.rounds=1"):
+        _run(tmp_path, FAST.format(rounds=1) + f" resume={tmp_path / 'r' / 'checkpoint.pt'}")
+
+
+def test_malicious_and_broken_nodes_are_rejected_and_logged(tmp_path):
+    def tamper(node_id: int, reply: Message) -> Message:
+        if node_id == 1000:  # NaN weights
+            arrays = reply.content["arrays"]
+            poisoned = {k: np.full(a.shape, np.nan, dtype=a.dtype) for k, a in ((k, v.numpy()) for k, v in arrays.items())}
+            return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in poisoned.items()}), "metrics": reply.content["metrics"]}), reply_to=_ins(reply))
+        if node_id == 1001:  # claims no examples
+            metrics = MetricRecord({**reply.content["metrics"], "num-examples": 0})
+            return Message(RecordDict({"arrays": reply.content["arrays"], "metrics": metrics}), reply_to=_ins(reply))
+        return reply
+
+    summary = _run(tmp_path, FAST.format(rounds=2), nodes=4, tamper=tamper)
+    for row in _rows(summary):
+        assert row["num_clients"] == 2 and row["num_rejected"] == 2
+        reasons = {r["node_id"]: r["reason"] for r in row["rejected"]}
+        assert "non-finite" in reasons[1000] and "num-examples" in reasons[1001]
+    assert summary["final_accuracy"] > 0.3
+
+
+def _ins(reply: Message) -> Message:
+    """A stand-in instruction message so a tampered reply keeps the original routing."""
+    ins = Message(RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type="train")
+    ins.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
+    return ins
+
+
+def test_round_without_valid_replies_keeps_the_model(tmp_path):
+    summary = _run(tmp_path, FAST.format(rounds=2), nodes=2, tamper=lambda node, reply: None)
+    rows = _rows(summary)
+    assert all(r["num_clients"] == 0 and r["num_missing"] == 2 and not r["model_updated"] for r in rows)
+    assert rows[0]["accuracy"] == rows[1]["accuracy"]  # the initial model, unchanged
+
+
+def test_federated_evaluation_on_client_validation_splits(tmp_path):
+    summary = _run(tmp_path, FAST.format(rounds=2) + " federation.fraction_evaluate=1.0")
+    rows = _rows(summary)
+    assert all(0.0 <= r["federated_eval"]["eval-accuracy"] <= 1.0 for r in rows)
+    assert rows[-1]["federated_eval"]["num-examples"] > 0
+
+
+def test_supernode_trains_on_its_own_data_path(tmp_path):
+    """Deployment: a node's data-path replaces partition-id / num-partitions."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "site.npz"
+    np.savez(path, x=rng.integers(0, 255, (50, 8, 8), dtype=np.uint8), y=rng.integers(0, 10, 50))
+    cfg, _ = load_config("train.epochs=1")
+    spec = DataSpec(1, 8, 8, 10)
+    from app.models import build_model
+
+    arrays = ArrayRecord(build_model(cfg.model, spec).state_dict())
+    ins = Message(RecordDict({"arrays": arrays, "config": ConfigRecord({**to_client_record(cfg), **spec_to_record(spec), "server-round": 1})}), dst_node_id=7, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "x"
+    reply = client_app(ins, context_for(0, 1, node_config={"data-path": str(path)}))
+    assert reply.content["metrics"]["num-examples"] == 45  # 10% kept for validation
+    bad = np.savez(tmp_path / "wrong.npz", x=np.zeros((10, 28, 28), np.uint8), y=np.zeros(10)) or tmp_path / "wrong.npz"
+    with pytest.raises(Exception, match=r"images are \(1, 28, 28\), the global model expects \(1, 8, 8\)"):
+        client_app(ins, context_for(0, 1, node_config={"data-path": str(bad)}))

@@ -1,0 +1,241 @@
+"""End to end through the real Flower CLI: `flwr run . --stream` against a local SuperLink.
+
+`flwr run` starts a detached local SuperLink (`flower-superlink ... --database
+<FLWR_HOME>/local-superlink/state.db`, in its own session) which spawns
+`flower-superexec` (own session) -> `flwr-simulation` -> Ray (gcs_server, raylet,
+workers, all in the superexec's session). Every one of them inherits FLWR_HOME from
+the CLI's environment, so the fixture below finds them by the temporary FLWR_HOME
+(command line or environment), takes their whole sessions and descendants, and
+stops them after the module's tests, also when a test fails or times out.
+
+Ports come from FLWR_LOCAL_SUPERLINK_HTTP_API_PORT / FLWR_LOCAL_CONTROL_API_PORT
+(flwr/cli/constant.py), so a developer's SuperLink on 39091/39093 is never touched.
+Each run spends ~15-25 s in start-up on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 300
+FEDERATION = "num-supernodes=3 client-resources-num-cpus=1"
+METRIC_KEYS = {"round", "accuracy", "loss", "wall_time_s", "num_clients", "num_rejected"}
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+pytestmark = pytest.mark.slow
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _proc_table() -> dict[int, tuple[str, int, int]]:
+    """pid -> (state, ppid, session id) for every process we can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+        table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
+    return table
+
+
+def _belongs_to(pid: int, flwr_home: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return (flwr_home + "/").encode() in cmdline or f"FLWR_HOME={flwr_home}".encode() in environ.split(b"\0")
+
+
+def _processes_of(flwr_home: str) -> set[int]:
+    """Live processes started for this FLWR_HOME: matches, their sessions, descendants."""
+    table = _proc_table()
+    protected, pid = set(), os.getpid()
+    while pid > 1 and pid not in protected:  # never this test process or its ancestors
+        protected.add(pid)
+        pid = table.get(pid, ("", 1, 0))[1]
+    found = {p for p in table if p not in protected and _belongs_to(p, flwr_home)}
+    sessions = {p for p in found if table[p][2] == p}  # detached leaders (setsid)
+    found |= {p for p, (_, _, sid) in table.items() if sid in sessions}
+    grown = True
+    while grown:
+        children = {p for p, (_, ppid, _) in table.items() if ppid in found} - found
+        found |= children
+        grown = bool(children)
+    return {p for p in found - protected if table[p][0] != "Z"}  # zombies are already dead
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_processes(flwr_home: str, grace_s: float = 10.0) -> None:
+    """SIGTERM everything that belongs to `flwr_home`, SIGKILL what is left, verify."""
+    deadline = time.monotonic() + grace_s
+    while (pids := _processes_of(flwr_home)) and time.monotonic() < deadline:
+        _signal_all(pids, signal.SIGTERM)
+        time.sleep(0.5)
+    for _ in range(3):
+        if not (pids := _processes_of(flwr_home)):
+            return
+        _signal_all(pids, signal.SIGKILL)
+        time.sleep(1.0)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in _processes_of(flwr_home)}
+    assert not left, f"processes of FLWR_HOME={flwr_home} survived SIGKILL: {left}"
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Environment for `flwr` with a private FLWR_HOME and ports; stops the SuperLink after."""
+    if shutil.which("flwr") is None:
+        pytest.fail("the `flwr` CLI is not on PATH: pip install -e '.[test]'")
+    home = str(tmp_path_factory.mktemp("flwr_home"))
+    http_port, control_port = _free_ports(2)
+    env = {
+        **os.environ,
+        "FLWR_HOME": home,
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # no `uv sync` per run: offline, fast
+        "FLWR_DISABLE_UPDATE_CHECK": "1",  # no network from the CLI
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    try:
+        yield env
+    finally:
+        stop_processes(home)
+
+
+def flwr_run(env: dict[str, str], out_dir: Path, overrides: str) -> tuple[int, str, str | None]:
+    """`flwr run <repo> --stream`; returns (exit code, output without colours, run id)."""
+    cmd = [
+        "flwr", "run", str(ROOT), "--stream",
+        "--run-config", f"output-dir='{out_dir}' overrides='{overrides}'",
+        "--federation-config", FEDERATION,
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=RUN_TIMEOUT_S, start_new_session=True,
+    )  # fmt: skip
+    out = ANSI.sub("", proc.stdout)
+    print(f"\n--- flwr run ({time.monotonic() - t0:.1f} s, exit {proc.returncode}) ---\n{out}")
+    match = re.search(r"Successfully started run (\d+)", out)
+    return proc.returncode, out, match.group(1) if match else None
+
+
+def run_status(env: dict[str, str], run_id: str, wait_s: float = 30.0) -> dict:
+    """The run's row of `flwr list --run-id ID --format json`, once it has finished."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        proc = subprocess.run(
+            ["flwr", "list", "--run-id", run_id, "--format", "json"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        text = proc.stdout
+        row = json.loads(text[text.index("{") :])["runs"][0]
+        if row["status"].startswith("finished") or time.monotonic() > deadline:
+            return row
+        time.sleep(1.0)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_flwr_run_trains_and_writes_results(flwr_env: dict[str, str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "runs"
+    code, out, run_id = flwr_run(flwr_env, out_dir, "federation.rounds=3")
+    assert code == 0, out[-4000:]
+    assert run_id, out[-4000:]
+
+    announced = re.findall(r"^results: (/\S+)$", out, flags=re.MULTILINE)
+    assert announced, f"no 'results: <dir>' line in the output:\n{out[-4000:]}"
+    run_dir = Path(announced[0])
+    assert run_dir.is_absolute() and run_dir.parent == out_dir.resolve(), run_dir
+
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "model_final.pt", "checkpoint.pt"):
+        path = run_dir / name
+        assert path.is_file() and path.stat().st_size > 0, f"missing {path}"
+
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(run_dir / "config.yaml").federation.rounds == 3
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert METRIC_KEYS <= row.keys(), row.keys()
+        assert row["num_clients"] == 3 and row["num_rejected"] == 0, row
+        assert 0.0 <= row["accuracy"] <= 1.0
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    assert summary["rounds_completed"] == 3
+    assert summary["final_accuracy"] > 0.5, summary  # chance is 0.1 (10 digit classes)
+    assert summary["final_accuracy"] == rows[-1]["accuracy"]
+
+    import torch
+
+    state = torch.load(run_dir / "model_final.pt", map_location="cpu", weights_only=True)
+    assert state and all(isinstance(v, torch.Tensor) for v in state.values())
+
+    assert run_status(flwr_env, run_id)["status"] == "finished:completed"
+
+
+def test_flwr_run_bad_override_fails_without_training(flwr_env: dict[str, str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "runs"
+    code, out, run_id = flwr_run(flwr_env, out_dir, "train.lr=-1")
+
+    # Observed with flwr 1.42: when the ServerApp raises, `flwr run --stream` still exits
+    # 0 (it only submits the run and follows its log). The streamed log carries our
+    # ERROR line, then Flower's "Simulation raised an exception" traceback and
+    # "Exit Code: 700"; the run's state becomes `finished:failed` with the exception
+    # text as status-details (`flwr list --run-id ID`). Scripts must check that state.
+    assert code == 0, out[-4000:]
+    assert run_id, out[-4000:]
+    assert "invalid configuration, nothing was run: train.lr" in out, out[-4000:]
+    assert "Simulation raised an exception" in out and "Exit Code: 700" in out, out[-4000:]
+    status = run_status(flwr_env, run_id)
+    assert status["status"] == "finished:failed", status
+    assert "train.lr" in status["status-details"], status
+
+    assert not re.search(r"^results: ", out, flags=re.MULTILINE), "a results directory was announced"
+    assert "[round " not in out, "training rounds ran"
+    assert not out_dir.exists() or not any(out_dir.rglob("metrics.jsonl")), sorted(out_dir.rglob("*"))

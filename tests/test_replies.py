@@ -1,0 +1,100 @@
+"""Every malformed reply kind is rejected with its node id; the rest still aggregate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_reply
+from flwr.app import Array, ArrayRecord, MetricRecord
+
+from strategies.fedavg import FedAvg
+from strategies.replies import specs_of, weighted_metrics, screen_replies
+
+
+def _bad_replies(good: dict[str, np.ndarray]) -> dict[str, object]:
+    """node id -> a malformed reply (and the words its rejection must contain)."""
+    nan = {**good, "fc.weight": np.full_like(good["fc.weight"], np.nan)}
+    inf = {**good, "conv.bias": np.array([1.0, np.inf, 0.0, 0.0], dtype=np.float32)}
+    shape = {**good, "fc.weight": np.zeros((10, 5), np.float32)}
+    dtype = {**good, "conv.bias": good["conv.bias"].astype(np.float64)}
+    missing = {k: v for k, v in good.items() if k != "conv.bias"}
+    extra = {**good, "backdoor": np.zeros(3, np.float32)}
+    two_records = make_reply(20, good, {"num-examples": 5})
+    two_records.content["more"] = ArrayRecord({"x": Array(np.zeros(1, np.float32))})
+    return {
+        "error reply": (make_reply(10, None, None, error="CUDA out of memory"), "error reply"),
+        "NaN": (make_reply(11, nan, {"num-examples": 5}), "non-finite"),
+        "Inf": (make_reply(12, inf, {"num-examples": 5}), "non-finite"),
+        "shape": (make_reply(13, shape, {"num-examples": 5}), "fc.weight"),
+        "dtype": (make_reply(14, dtype, {"num-examples": 5}), "float64"),
+        "missing key": (make_reply(15, missing, {"num-examples": 5}), "missing ['conv.bias']"),
+        "extra key": (make_reply(16, extra, {"num-examples": 5}), "unexpected ['backdoor']"),
+        "no count": (make_reply(17, good, {"train-loss": 0.1}), "missing 'num-examples'"),
+        "zero count": (make_reply(18, good, {"num-examples": 0}), "> 0"),
+        "negative count": (make_reply(19, good, {"num-examples": -4}), "> 0"),
+        "nan count": (make_reply(21, good, {"num-examples": float("nan")}), "finite"),
+        "list count": (make_reply(22, good, {"num-examples": [1, 2]}), "must be a number"),
+        "no metrics": (make_reply(23, good, None), "MetricRecord"),
+        "two array records": (two_records, "ArrayRecord"),
+    }
+
+
+def test_each_malformed_reply_is_rejected_and_the_rest_aggregate(rng, model_arrays):
+    honest = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in model_arrays.items()} for _ in range(2)]
+    good_replies = [make_reply(1, honest[0], {"num-examples": 10}), make_reply(2, honest[1], {"num-examples": 30})]
+    bad = _bad_replies(model_arrays)
+    strategy = FedAvg()
+    strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
+    replies = [good_replies[0], *(r for r, _ in bad.values()), good_replies[1]]
+    arrays, _ = strategy.aggregate_train(1, replies)
+
+    report = strategy.train_report
+    assert report.accepted == [1, 2]
+    reasons = {r.node_id: r.reason for r in report.rejected}
+    for kind, (reply, words) in bad.items():
+        node = reply.metadata.src_node_id
+        assert node in reasons, f"{kind} reply was not rejected"
+        assert words in reasons[node], f"{kind}: {reasons[node]!r} lacks {words!r}"
+    for key in model_arrays:
+        expected = (10 * honest[0][key] + 30 * honest[1][key]) / 40
+        np.testing.assert_allclose(arrays[key].numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_round_without_valid_reply_returns_nothing(model_arrays):
+    strategy = FedAvg()
+    strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
+    bad = [r for r, _ in _bad_replies(model_arrays).values()]
+    assert strategy.aggregate_train(3, bad) == (None, None)
+    assert strategy.train_report.accepted == [] and len(strategy.train_report.rejected) == len(bad)
+
+
+def test_evaluation_replies_are_screened_for_counts():
+    good = make_reply(1, None, {"num-examples": 10, "eval-accuracy": 0.5})
+    other = make_reply(2, None, {"num-examples": 30, "eval-accuracy": 0.9})
+    empty = make_reply(3, None, {"num-examples": 0, "eval-accuracy": float("nan")})
+    strategy = FedAvg()
+    metrics = strategy.aggregate_evaluate(1, [good, other, empty])
+    assert metrics["eval-accuracy"] == pytest.approx(0.8)
+    assert [r.node_id for r in strategy.evaluate_report.rejected] == [3]
+
+
+def test_weighted_metrics_tolerates_different_keys():
+    replies = screen_replies(
+        [
+            make_reply(1, None, {"num-examples": 10, "loss": 1.0, "gpu-util-mean-pct": 80.0}),
+            make_reply(2, None, {"num-examples": 30, "loss": 3.0}),
+        ],
+        None,
+    ).valid
+    metrics = weighted_metrics(replies)
+    assert metrics["loss"] == pytest.approx(2.5)
+    assert metrics["gpu-util-mean-pct"] == pytest.approx(80.0)  # only node 1 reports it
+    assert metrics["num-examples"] == 40
+
+
+def test_content_record_without_metricrecord_key_is_rejected(model_arrays):
+    msg = make_reply(5, model_arrays, None)
+    msg.content["metrics"] = MetricRecord({"num-examples": 3})
+    msg.content["metrics2"] = MetricRecord({"num-examples": 3})
+    screened = screen_replies([msg], specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()})))
+    assert not screened.valid and "exactly one MetricRecord" in screened.rejected[0].reason
