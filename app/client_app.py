@@ -10,7 +10,7 @@ their own .npz file or save_to_disk directory.
 from __future__ import annotations
 
 import logging
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -31,7 +31,7 @@ from app.data import (
 )
 from app.models import build_model
 from app.telemetry import GpuTelemetry
-from app.training import evaluate, prepare_model, resolve_device, resolve_precision, train
+from app.training import Precision, evaluate, prepare_model, resolve_device, resolve_precision, train
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -81,23 +81,36 @@ def client_seed(seed: int, server_round: int, partition_id: int) -> int:
     return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
 
 
-def _load_global_model(msg: Message, settings: ClientSettings, spec: DataSpec) -> torch.nn.Module:
+@dataclass
+class Job:
+    """What both handlers need: settings, precision, this node's data and the global model."""
+
+    record: dict
+    settings: ClientSettings
+    precision: Precision
+    train_data: ImageTensors
+    val_data: ImageTensors
+    model: torch.nn.Module
+
+
+def prepare_job(msg: Message, context: Context) -> Job:
+    record = dict(msg.content["config"])
+    settings, spec = ClientSettings.from_record(record), spec_from_record(record)
+    precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
+    train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    return model
+    return Job(record, settings, precision, train_data, val_data, prepare_model(model, precision))
 
 
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
-    record = dict(msg.content["config"])
-    settings, spec = ClientSettings.from_record(record), spec_from_record(record)
-    precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
-    train_data, _ = node_data(context, settings, spec)
-    model = prepare_model(_load_global_model(msg, settings, spec), precision)
-    seed = client_seed(settings.seed, int(record.get("server-round", 0)), int(context.node_config.get("partition-id", 0)))
+    job = prepare_job(msg, context)
+    settings = job.settings
+    seed = client_seed(settings.seed, int(job.record.get("server-round", 0)), int(context.node_config.get("partition-id", 0)))
     torch.manual_seed(seed)
-    with GpuTelemetry(precision.device, settings.train.telemetry_interval_s) as telemetry:
-        stats = train(model, train_data, settings.train, precision, seed)
+    with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
+        stats = train(job.model, job.train_data, settings.train, job.precision, seed)
     metrics: dict[str, float | int] = {
         "num-examples": stats.num_examples,
         "train-loss": stats.loss,
@@ -109,18 +122,14 @@ def train_handler(msg: Message, context: Context) -> Message:
     }
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    record = dict(msg.content["config"])
-    settings, spec = ClientSettings.from_record(record), spec_from_record(record)
-    precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
-    _, val_data = node_data(context, settings, spec)
-    model = prepare_model(_load_global_model(msg, settings, spec), precision)
-    loss, accuracy = evaluate(model, val_data, precision)
-    metrics = {"num-examples": len(val_data), "eval-loss": loss, "eval-accuracy": accuracy}
+    job = prepare_job(msg, context)
+    loss, accuracy = evaluate(job.model, job.val_data, job.precision)
+    metrics = {"num-examples": len(job.val_data), "eval-loss": loss, "eval-accuracy": accuracy}
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
