@@ -91,6 +91,7 @@ class FederationConfig:
     min_available_nodes: int = 2
     round_timeout_s: float = 600.0
     message_ttl_s: float = 3600.0
+    node_wait_timeout_s: float = 600.0
 
 
 @dataclass
@@ -217,6 +218,7 @@ def validate(cfg: Config) -> Config:
         f.min_available_nodes,
         f"must be >= federation.min_train_nodes ({f.min_train_nodes})",
     )
+    _require(f.node_wait_timeout_s > 0, "federation.node_wait_timeout_s", f.node_wait_timeout_s, "must be > 0")
     _require(f.round_timeout_s > 0, "federation.round_timeout_s", f.round_timeout_s, "must be > 0")
     _require(
         f.message_ttl_s >= f.round_timeout_s,

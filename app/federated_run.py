@@ -23,7 +23,7 @@ from app.client_app import spec_to_record
 from app.config import Config, ConfigError, to_client_record
 from app.data import check_partitioning, data_spec, load_splits, materialize
 from app.models import build_model
-from app.results import RunRecorder, run_name
+from app.results import RunRecorder, new_run_dir
 from app.training import evaluate, resolve_device, resolve_precision
 from strategies.fedavg import FedAvg
 
@@ -56,10 +56,21 @@ def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> No
         raise ConfigError(f"resume={path}: the checkpoint's model does not match model={type(model).__name__} for this dataset")
 
 
-def _wait_for_nodes(grid: Grid, minimum: int) -> list[int]:
+def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float) -> list[int]:
+    """The connected nodes once `minimum` are there; a clear error after `timeout_s`."""
+    deadline, next_log = time.monotonic() + timeout_s, 0.0
     while len(nodes := list(grid.get_node_ids())) < minimum:
-        log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
-        time.sleep(1)
+        now = time.monotonic()
+        if now >= deadline:
+            raise ConfigError(
+                f"federation.min_available_nodes={minimum}: only {len(nodes)} node(s) connected after "
+                f"{timeout_s:.0f} s; start more SuperNodes (or num-supernodes in simulation), lower "
+                "federation.min_available_nodes, or raise federation.node_wait_timeout_s"
+            )
+        if now >= next_log:
+            log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
+            next_log = now + 10.0
+        time.sleep(0.5)
     return nodes
 
 
@@ -78,6 +89,8 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
     arrays = ArrayRecord(model.state_dict())
     strategy = build_strategy(cfg, device)
     first_round, elapsed_before = 1, 0.0
+    nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
+    check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
     if cfg.resume:
         ckpt = load_checkpoint(cfg.resume)
         _check_compatible(ckpt, model, cfg.resume)
@@ -89,14 +102,9 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
         first_round, elapsed_before = ckpt.round + 1, ckpt.wall_time_s
         recorder = RunRecorder(Path(cfg.resume).parent, resumed_after=ckpt.round)
     else:
-        recorder = RunRecorder(root / (cfg.name or run_name(cfg.strategy.name, cfg.dataset.name)))
+        recorder = RunRecorder(new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name))
     recorder.save_config(raw)
-    announce = f"results: {recorder.run_dir}"
-    log.info(announce)
-    print(announce, flush=True)
-
-    nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes)
-    check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
+    log.info("results: %s", recorder.run_dir)
     strategy.summary()
     log.info(
         "%d nodes, %d train / %d test examples, model %s (%d parameters), rounds %d..%d",
@@ -165,7 +173,5 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
                 "checkpoint": str(recorder.checkpoint_path),
             },
         )
-        done = f"run {status}: final accuracy {summary['final_accuracy']}, results: {recorder.run_dir}"
-        log.info(done)
-        print(done, flush=True)
+        log.info("run %s: final accuracy %s, results: %s", status, summary["final_accuracy"], recorder.run_dir)
     return summary

@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from app.config import ConfigError
+
 DEFAULT_OUTPUT_ROOT = Path.home() / "fedgpu-runs"
 
 
@@ -25,13 +27,33 @@ def output_root(configured: str) -> Path:
         return DEFAULT_OUTPUT_ROOT
     path = Path(os.path.expanduser(configured))
     if not path.is_absolute():
-        raise ValueError(f"output-dir={configured!r} must be an absolute path (the ServerApp runs from a copy of the app)")
+        raise ConfigError(f"output-dir={configured!r} must be an absolute path (the ServerApp runs from a copy of the app)")
     return path
 
 
-def run_name(strategy: str, dataset: str) -> str:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{strategy}-{dataset}"
+def new_run_dir(root: Path, name: str | None, strategy: str, dataset: str) -> Path:
+    """Create a fresh results directory; never reuse one (that would mix two runs).
+
+    An explicit `name` that exists is an error; a generated one gets a -2, -3 ... suffix
+    when two runs start in the same second (sweeps).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    if name:
+        path = root / name
+        try:
+            path.mkdir()
+        except FileExistsError:
+            raise ConfigError(f"name={name!r}: {path} already holds a run; pick another name, or resume=<its checkpoint.pt>") from None
+        return path
+    base = f"{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{strategy}-{dataset}"
+    for n in range(1, 1000):
+        path = root / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a new run directory under {root}")
 
 
 def _clean(value: Any) -> Any:  # noqa: ANN401

@@ -27,7 +27,7 @@ def main(grid: Grid, context: Context) -> None:
     try:
         root = output_root(str(context.run_config.get("output-dir", "")))
         cfg, raw = load_config(overrides)
-    except (ConfigError, ValueError) as err:
+    except ConfigError as err:
         log.error("invalid configuration, nothing was run: %s", err)
         raise
     log.info("overrides: %r", overrides)

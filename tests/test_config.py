@@ -8,7 +8,7 @@ from flwr.app import Context, RecordDict
 
 from app.config import ClientSettings, ConfigError, PartitionConfig, load_config, to_client_record
 from app.data import check_partitioning
-from app.results import output_root
+from app.results import new_run_dir, output_root
 
 
 def test_defaults_compose_and_validate():
@@ -75,7 +75,7 @@ def test_more_partitions_than_samples_is_rejected():
 def test_output_dir_must_be_absolute(tmp_path):
     assert output_root(str(tmp_path)) == tmp_path
     assert output_root("").is_absolute()
-    with pytest.raises(ValueError, match="output-dir='runs' must be an absolute path"):
+    with pytest.raises(ConfigError, match="output-dir='runs' must be an absolute path"):
         output_root("runs")
 
 
@@ -106,3 +106,12 @@ def test_server_app_refuses_bad_config_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="train.lr=-1"):
         main(NoGrid(), context)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_run_directories_are_never_shared(tmp_path):
+    first = new_run_dir(tmp_path, None, "fedavg", "digits")
+    second = new_run_dir(tmp_path, None, "fedavg", "digits")
+    assert first != second and first.is_dir() and second.is_dir()
+    new_run_dir(tmp_path, "mine", "fedavg", "digits")
+    with pytest.raises(ConfigError, match="name='mine'.*already holds a run"):
+        new_run_dir(tmp_path, "mine", "fedavg", "digits")

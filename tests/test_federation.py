@@ -131,3 +131,13 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
     bad = np.savez(tmp_path / "wrong.npz", x=np.zeros((10, 28, 28), np.uint8), y=np.zeros(10)) or tmp_path / "wrong.npz"
     with pytest.raises(Exception, match=r"images are \(1, 28, 28\), the global model expects \(1, 8, 8\)"):
         client_app(ins, context_for(0, 1, node_config={"data-path": str(bad)}))
+
+
+def test_too_few_nodes_fails_clearly_before_any_results(tmp_path):
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"only 2 node\(s\) connected after 1 s"):
+        _run(tmp_path, "federation.min_available_nodes=3 federation.node_wait_timeout_s=1", nodes=2)
+    with pytest.raises(ConfigError, match="partition.min_partition_size=1000"):
+        _run(tmp_path, "partition=dirichlet partition.min_partition_size=1000", nodes=3)
+    assert list(tmp_path.iterdir()) == []
