@@ -65,10 +65,13 @@ class GpuTelemetry:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.available:
-            try:
-                self._sample()
-            except Exception:  # noqa: BLE001
-                pass
+            import pynvml
+
+            for final_step in (self._sample, pynvml.nvmlShutdown):  # shutdown balances nvmlInit
+                try:
+                    final_step()
+                except Exception:  # noqa: BLE001 - telemetry never fails the client
+                    pass
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
