@@ -10,7 +10,7 @@ their own .npz file or save_to_disk directory.
 from __future__ import annotations
 
 import logging
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -27,6 +27,7 @@ from app.data import (
     load_splits,
     materialize,
     partition_indices,
+    spec_from_record,
     split_validation,
 )
 from app.models import build_model
@@ -37,22 +38,11 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 
 app = ClientApp()
 
-DATA_SPEC_KEYS = ("data.channels", "data.height", "data.width", "data.num_classes")
-
-
-def spec_from_record(record: dict) -> DataSpec:
-    missing = [k for k in DATA_SPEC_KEYS if k not in record]
-    if missing:
-        raise ValueError(f"message config lacks {missing}; is the ServerApp from this app?")
-    return DataSpec(*(int(record[k]) for k in DATA_SPEC_KEYS))
-
-
-def spec_to_record(spec: DataSpec) -> dict[str, int]:
-    return dict(zip(DATA_SPEC_KEYS, astuple(spec), strict=True))
-
 
 @lru_cache(maxsize=8)
-def _node_data(settings: ClientSettings, node_key: tuple[str, int, int], spec: DataSpec) -> tuple[ImageTensors, ImageTensors]:
+def _node_data(
+    settings: ClientSettings, node_key: tuple[str, int, int], spec: DataSpec
+) -> tuple[ImageTensors, ImageTensors]:
     data_path, partition_id, num_partitions = node_key
     if data_path:
         data = materialize(load_local_data(settings.dataset, data_path, settings.seed))
@@ -107,7 +97,9 @@ def prepare_job(msg: Message, context: Context) -> Job:
 def train_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     settings = job.settings
-    seed = client_seed(settings.seed, int(job.record.get("server-round", 0)), int(context.node_config.get("partition-id", 0)))
+    seed = client_seed(
+        settings.seed, int(job.record.get("server-round", 0)), int(context.node_config.get("partition-id", 0))
+    )
     torch.manual_seed(seed)
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         stats = train(job.model, job.train_data, settings.train, job.precision, seed)

@@ -11,7 +11,7 @@ import re
 import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -46,8 +46,8 @@ class StrategyConfig:
 @dataclass(unsafe_hash=True)
 class DatasetConfig:
     name: str = "digits"
-    path: Optional[str] = None
-    hf_name: Optional[str] = None
+    path: str | None = None
+    hf_name: str | None = None
     image_key: str = "image"
     label_key: str = "label"
     test_fraction: float = 0.2
@@ -103,18 +103,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     seed: int = 42
-    name: Optional[str] = None
-    resume: Optional[str] = None
+    name: str | None = None
+    resume: str | None = None
     server_device: str = "auto"
 
 
 def config_groups() -> dict[str, list[str]]:
     """The option names of every config group under `conf/`."""
-    return {
-        d.name: sorted(p.stem for p in d.glob("*.yaml"))
-        for d in sorted(CONF_DIR.iterdir())
-        if d.is_dir()
-    }
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(CONF_DIR.iterdir()) if d.is_dir()}
 
 
 def split_overrides(overrides: str | list[str]) -> list[str]:
@@ -131,10 +127,7 @@ def compose_config(overrides: str | list[str] = "") -> DictConfig:
     for item in items:
         key, sep, value = item.lstrip("+~").partition("=")
         if sep and key in groups and value not in groups[key]:
-            raise ConfigError(
-                f"{key}={value!r} is not a known {key} option; "
-                f"allowed: {', '.join(groups[key])}"
-            )
+            raise ConfigError(f"{key}={value!r} is not a known {key} option; allowed: {', '.join(groups[key])}")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -210,7 +203,9 @@ def validate(cfg: Config) -> Config:
     _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
     _require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
     _require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
-    _require(0.0 <= f.fraction_evaluate <= 1.0, "federation.fraction_evaluate", f.fraction_evaluate, "must be in [0, 1]")
+    _require(
+        0.0 <= f.fraction_evaluate <= 1.0, "federation.fraction_evaluate", f.fraction_evaluate, "must be in [0, 1]"
+    )
     _require(f.min_evaluate_nodes >= 0, "federation.min_evaluate_nodes", f.min_evaluate_nodes, "must be >= 0")
     _require(
         f.min_available_nodes >= f.min_train_nodes,
@@ -230,7 +225,12 @@ def validate(cfg: Config) -> Config:
     _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
     if cfg.resume is not None:
         _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file")
-    _require(bool(_DEVICE_RE.match(cfg.server_device)), "server_device", cfg.server_device, "allowed: auto, cpu, cuda, cuda:N")
+    _require(
+        bool(_DEVICE_RE.match(cfg.server_device)),
+        "server_device",
+        cfg.server_device,
+        "allowed: auto, cpu, cuda, cuda:N",
+    )
     return cfg
 
 
@@ -264,11 +264,7 @@ class ClientSettings:
     def from_record(cls, record: dict[str, Any]) -> ClientSettings:
         sections = {}
         for section, kind in CLIENT_SECTIONS.items():
-            values = {
-                f.name: record[f"{section}.{f.name}"]
-                for f in fields(kind)
-                if f"{section}.{f.name}" in record
-            }
+            values = {f.name: record[f"{section}.{f.name}"] for f in fields(kind) if f"{section}.{f.name}" in record}
             sections[section] = kind(**values)
         return cls(**sections, seed=int(record.get("seed", 42)))
 

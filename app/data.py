@@ -34,6 +34,21 @@ class DataSpec:
     num_classes: int
 
 
+SPEC_KEYS = ("data.channels", "data.height", "data.width", "data.num_classes")
+
+
+def spec_to_record(spec: DataSpec) -> dict[str, int]:
+    """The data spec as ConfigRecord keys (the server sends it with every message)."""
+    return dict(zip(SPEC_KEYS, (spec.channels, spec.height, spec.width, spec.num_classes), strict=True))
+
+
+def spec_from_record(record: dict) -> DataSpec:
+    missing = [k for k in SPEC_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"message config lacks {missing}; is the ServerApp from this app?")
+    return DataSpec(*(int(record[k]) for k in SPEC_KEYS))
+
+
 @dataclass
 class ImageTensors:
     """Images as N x C x H x W (uint8 0-255, or float32 0-1) and int64 labels."""
@@ -63,18 +78,14 @@ def to_nchw(x: np.ndarray) -> np.ndarray:
         elif not channels_first:
             raise DatasetUnavailableError(f"cannot tell the channel axis of images shaped {x.shape}")
     else:
-        raise DatasetUnavailableError(
-            f"images must be N x H x W or N x C x H x W, got shape {x.shape}"
-        )
+        raise DatasetUnavailableError(f"images must be N x H x W or N x C x H x W, got shape {x.shape}")
     if x.dtype == np.uint8:
         return np.ascontiguousarray(x)
     if np.issubdtype(x.dtype, np.floating):
         return np.ascontiguousarray(x, dtype=np.float32)
     if np.issubdtype(x.dtype, np.integer) and x.size and x.min() >= 0 and x.max() <= 255:
         return np.ascontiguousarray(x, dtype=np.uint8)
-    raise DatasetUnavailableError(
-        f"image values must be uint8 0-255 or float 0-1, got dtype {x.dtype}"
-    )
+    raise DatasetUnavailableError(f"image values must be uint8 0-255 or float 0-1, got dtype {x.dtype}")
 
 
 @dataclass
@@ -293,8 +304,7 @@ def check_spec(data: ImageTensors, spec: DataSpec, where: str) -> None:
     got = tuple(data.x.shape[1:])
     if got != (spec.channels, spec.height, spec.width):
         raise DatasetUnavailableError(
-            f"{where}: images are {got}, the global model expects "
-            f"{(spec.channels, spec.height, spec.width)}"
+            f"{where}: images are {got}, the global model expects {(spec.channels, spec.height, spec.width)}"
         )
     if len(data) and (int(data.y.min()) < 0 or int(data.y.max()) >= spec.num_classes):
         raise DatasetUnavailableError(f"{where}: labels outside [0, {spec.num_classes})")

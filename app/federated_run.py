@@ -19,9 +19,8 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from app.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.client_app import spec_to_record
 from app.config import Config, ConfigError, to_client_record
-from app.data import check_partitioning, data_spec, load_splits, materialize
+from app.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.models import build_model
 from app.results import RunRecorder, new_run_dir
 from app.training import evaluate, resolve_device, resolve_precision
@@ -45,15 +44,13 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg:
     raise ConfigError(f"strategy.name={cfg.strategy.name!r} is invalid: allowed: fedavg")
 
 
-def _state_dict(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-    return arrays.to_torch_state_dict()
-
-
 def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in ckpt.state_dict.items()}
     if expected != got:
-        raise ConfigError(f"resume={path}: the checkpoint's model does not match model={type(model).__name__} for this dataset")
+        raise ConfigError(
+            f"resume={path}: the checkpoint's model does not match model={type(model).__name__} for this dataset"
+        )
 
 
 def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float) -> list[int]:
@@ -95,7 +92,9 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
         ckpt = load_checkpoint(cfg.resume)
         _check_compatible(ckpt, model, cfg.resume)
         if ckpt.round >= cfg.federation.rounds:
-            raise ConfigError(f"resume={cfg.resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}")
+            raise ConfigError(
+                f"resume={cfg.resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
+            )
         arrays = ArrayRecord(ckpt.state_dict)
         strategy.load_state_dict(ckpt.strategy_state)
         restore_rng(ckpt.rng)
@@ -108,21 +107,30 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
     strategy.summary()
     log.info(
         "%d nodes, %d train / %d test examples, model %s (%d parameters), rounds %d..%d",
-        len(nodes), len(train_source.labels), len(test_data), cfg.model.name,
-        sum(p.numel() for p in model.parameters()), first_round, cfg.federation.rounds,
+        len(nodes),
+        len(train_source.labels),
+        len(test_data),
+        cfg.model.name,
+        sum(p.numel() for p in model.parameters()),
+        first_round,
+        cfg.federation.rounds,
     )
     client_config = {**to_client_record(cfg), **spec_to_record(spec)}
     timeout = cfg.federation.round_timeout_s
 
     def central_eval(current: ArrayRecord) -> tuple[float, float]:
-        model.load_state_dict(_state_dict(current))
+        model.load_state_dict(current.to_torch_state_dict())
         return evaluate(model.to(device), test_data, precision)
 
     status = "failed"
     try:
         for rnd in range(first_round, cfg.federation.rounds + 1):
             t0 = time.time()
-            replies = list(grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(client_config), grid), timeout=timeout))
+            replies = list(
+                grid.send_and_receive(
+                    strategy.configure_train(rnd, arrays, ConfigRecord(client_config), grid), timeout=timeout
+                )
+            )
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             report = strategy.train_report
             if new_arrays is not None:
@@ -151,16 +159,22 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
             recorder.log_round(row)
             save_checkpoint(
                 recorder.checkpoint_path,
-                Checkpoint(_state_dict(arrays), rnd, strategy.state_dict(), capture_rng(), row["wall_time_s"]),
+                Checkpoint(arrays.to_torch_state_dict(), rnd, strategy.state_dict(), capture_rng(), row["wall_time_s"]),
             )
             log.info(
                 "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
-                rnd, cfg.federation.rounds, acc, loss, row["round_time_s"], row["num_clients"], row["num_rejected"],
+                rnd,
+                cfg.federation.rounds,
+                acc,
+                loss,
+                row["round_time_s"],
+                row["num_clients"],
+                row["num_rejected"],
                 f"  missing {row['num_missing']}" if row["num_missing"] else "",
             )
         status = "completed"
     finally:
-        torch.save(_state_dict(arrays), recorder.final_model_path)
+        torch.save(arrays.to_torch_state_dict(), recorder.final_model_path)
         summary = recorder.finish(
             status,
             elapsed_before + time.time() - started,

@@ -22,7 +22,11 @@ class SmallCNN(nn.Module):
         w = width
 
         def block(cin: int, cout: int) -> list[nn.Module]:
-            return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(min(8, cout), cout), nn.ReLU(inplace=True)]
+            return [
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.GroupNorm(min(8, cout), cout),
+                nn.ReLU(inplace=True),
+            ]
 
         layers: list[nn.Module] = [*block(spec.channels, w), *block(w, 2 * w)]
         if min(spec.height, spec.width) >= 4:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,9 @@ def output_root(configured: str) -> Path:
         return DEFAULT_OUTPUT_ROOT
     path = Path(os.path.expanduser(configured))
     if not path.is_absolute():
-        raise ConfigError(f"output-dir={configured!r} must be an absolute path (the ServerApp runs from a copy of the app)")
+        raise ConfigError(
+            f"output-dir={configured!r} must be an absolute path (the ServerApp runs from a copy of the app)"
+        )
     return path
 
 
@@ -43,9 +45,11 @@ def new_run_dir(root: Path, name: str | None, strategy: str, dataset: str) -> Pa
         try:
             path.mkdir()
         except FileExistsError:
-            raise ConfigError(f"name={name!r}: {path} already holds a run; pick another name, or resume=<its checkpoint.pt>") from None
+            raise ConfigError(
+                f"name={name!r}: {path} already holds a run; pick another name, or resume=<its checkpoint.pt>"
+            ) from None
         return path
-    base = f"{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{strategy}-{dataset}"
+    base = f"{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{strategy}-{dataset}"
     for n in range(1, 1000):
         path = root / (base if n == 1 else f"{base}-{n}")
         try:

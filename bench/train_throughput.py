@@ -44,9 +44,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 # Make `import app` work when run as `python bench/train_throughput.py` from the repo root
 # even without the editable install.
@@ -60,7 +60,7 @@ from app.config import DatasetConfig, ModelConfig, TrainConfig  # noqa: E402
 from app.data import DataSpec, ImageTensors, data_spec, load_splits, materialize  # noqa: E402
 from app.models import build_model  # noqa: E402
 from app.telemetry import GpuTelemetry  # noqa: E402
-from app.training import Precision, prepare_model, resolve_device, resolve_precision, train  # noqa: E402
+from app.training import prepare_model, resolve_device, resolve_precision, train  # noqa: E402
 
 GOAL_RATIO = 0.97
 
@@ -127,7 +127,9 @@ class Workload:
         return samples_per_run(len(self.data), self.cfg.batch_size, self.cfg.epochs)
 
 
-def make_workload(name: str, model_cfg: ModelConfig, spec: DataSpec, data: ImageTensors, cfg: TrainConfig, seed: int) -> Workload:
+def make_workload(
+    name: str, model_cfg: ModelConfig, spec: DataSpec, data: ImageTensors, cfg: TrainConfig, seed: int
+) -> Workload:
     torch.manual_seed(seed)
     init = {k: v.detach().clone() for k, v in build_model(model_cfg, spec).state_dict().items()}
     return Workload(name, model_cfg, spec, data, cfg, init)
@@ -137,7 +139,9 @@ def digits_workload(args: argparse.Namespace) -> Workload:
     train_src, test_src = load_splits(DatasetConfig(), args.seed)
     data = materialize(train_src)
     spec = data_spec(train_src, test_src)
-    cfg = TrainConfig(epochs=args.cnn_epochs, batch_size=args.cnn_batch_size, lr=args.lr, momentum=args.momentum, amp="off")
+    cfg = TrainConfig(
+        epochs=args.cnn_epochs, batch_size=args.cnn_batch_size, lr=args.lr, momentum=args.momentum, amp="off"
+    )
     return make_workload("cnn / digits", ModelConfig(name="cnn"), spec, data, cfg, args.seed)
 
 
@@ -147,7 +151,9 @@ def resnet_workload(args: argparse.Namespace, n: int, epochs: int) -> Workload:
     y = torch.randint(0, 10, (n,), dtype=torch.int64, generator=g)
     spec = DataSpec(channels=3, height=32, width=32, num_classes=10)
     cfg = TrainConfig(epochs=epochs, batch_size=args.resnet_batch_size, lr=args.lr, momentum=args.momentum, amp="off")
-    return make_workload("resnet18 / random 32x32", ModelConfig(name="resnet18", width=64), spec, ImageTensors(x, y), cfg, args.seed)
+    return make_workload(
+        "resnet18 / random 32x32", ModelConfig(name="resnet18", width=64), spec, ImageTensors(x, y), cfg, args.seed
+    )
 
 
 # --------------------------------------------------------------------------- the two loops
@@ -196,7 +202,9 @@ def run_plain(w: Workload, device: torch.device, x: torch.Tensor, y: torch.Tenso
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     start = time.perf_counter()
-    optimizer = torch.optim.SGD(model.parameters(), lr=w.cfg.lr, momentum=w.cfg.momentum, weight_decay=w.cfg.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=w.cfg.lr, momentum=w.cfg.momentum, weight_decay=w.cfg.weight_decay
+    )
     model.train()
     seen = 0
     for _ in range(w.cfg.epochs):
@@ -263,7 +271,7 @@ def compare(w: Workload, device: torch.device, args: argparse.Namespace, reps: i
         warmup=args.warmup,
     )
     ours, plain = summarize(results["ours"]), summarize(results["plain"])
-    paired = [o.samples_per_s / p.samples_per_s for o, p in zip(results["ours"], results["plain"])]
+    paired = [o.samples_per_s / p.samples_per_s for o, p in zip(results["ours"], results["plain"], strict=True)]
     return {
         "workload": w.name,
         "device": str(device),
@@ -288,11 +296,22 @@ def gpu_amp(device: torch.device, args: argparse.Namespace) -> list[dict[str, ob
     """ResNet-18 at batch 256 through our loop with train.amp = off / fp16 / bf16."""
     w = resnet_workload(args, args.gpu_resnet_samples, args.gpu_resnet_epochs)
     modes = ["off", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
-    results = interleave({m: (lambda m=m: run_ours(w, device, m, args.seed)) for m in modes}, reps=args.gpu_reps, warmup=args.warmup)
+    results = interleave(
+        {m: (lambda m=m: run_ours(w, device, m, args.seed)) for m in modes}, reps=args.gpu_reps, warmup=args.warmup
+    )
     rows = []
     for m in modes:
         s = summarize(results[m])
-        rows.append({"amp": m, "workload": w.name, "samples": len(w.data), "epochs": w.cfg.epochs, "batch_size": w.cfg.batch_size, **s})
+        rows.append(
+            {
+                "amp": m,
+                "workload": w.name,
+                "samples": len(w.data),
+                "epochs": w.cfg.epochs,
+                "batch_size": w.cfg.batch_size,
+                **s,
+            }
+        )
     base = rows[0]["median_samples_per_s"]
     for row in rows:
         row["speedup_vs_fp32"] = row["median_samples_per_s"] / base
@@ -304,32 +323,44 @@ def gpu_amp(device: torch.device, args: argparse.Namespace) -> list[dict[str, ob
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     print(line)
     print("-" * len(line))
     for r in rows:
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of each loop")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; None = torch's choice")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--plain-input", choices=("float", "uint8"), default="float",
-                   help="baseline inputs: float 0-1 made once before timing, or uint8 converted per batch like ours")
+    p.add_argument(
+        "--plain-input",
+        choices=("float", "uint8"),
+        default="float",
+        help="baseline inputs: float 0-1 made once before timing, or uint8 converted per batch like ours",
+    )
     p.add_argument("--cnn-epochs", type=int, default=3, help="epochs per cnn/digits run (train config default: 3)")
     p.add_argument("--cnn-batch-size", type=int, default=32, help="train config default: 32")
     p.add_argument("--cnn-reps", type=int, default=20, help="timed repetitions of each loop (interleaved)")
     p.add_argument("--skip-cnn", action="store_true")
-    p.add_argument("--resnet-samples", type=int, default=None,
-                   help="random images for the ResNet-18 comparison; None = 512 on CPU, 10240 on CUDA")
+    p.add_argument(
+        "--resnet-samples",
+        type=int,
+        default=None,
+        help="random images for the ResNet-18 comparison; None = 512 on CPU, 10240 on CUDA",
+    )
     p.add_argument("--resnet-epochs", type=int, default=1)
     p.add_argument("--resnet-batch-size", type=int, default=256)
-    p.add_argument("--resnet-reps", type=int, default=None, help="timed repetitions of each loop; None = 4 on CPU, 6 on CUDA")
+    p.add_argument(
+        "--resnet-reps", type=int, default=None, help="timed repetitions of each loop; None = 4 on CPU, 6 on CUDA"
+    )
     p.add_argument("--skip-resnet", action="store_true")
     p.add_argument("--gpu-resnet-samples", type=int, default=10240, help="CUDA AMP table: images per run")
     p.add_argument("--gpu-resnet-epochs", type=int, default=2, help="CUDA AMP table: epochs per run")
@@ -359,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("cpu", "cpu_count", "torch", "device", "gpu", "torch_threads", "torch_interop_threads"):
         if k in machine:
             print(f"  {k:22s} {machine[k]}")
-    print(f"  {'plain inputs':22s} {args.plain_input} ({'pre-converted to float once, before timing' if args.plain_input == 'float' else 'uint8, converted per batch'})")
+    print(
+        f"  {'plain inputs':22s} {args.plain_input} ({'pre-converted to float once, before timing' if args.plain_input == 'float' else 'uint8, converted per batch'})"
+    )
     print(f"  {'timing':22s} {args.warmup} warm-up run(s) of each loop, then interleaved reps (ABBA); medians\n")
 
     comparisons = []
@@ -371,50 +404,98 @@ def main(argv: list[str] | None = None) -> int:
         n = args.resnet_samples or (10240 if on_cuda else 512)
         reps = args.resnet_reps or (6 if on_cuda else 4)
         w = resnet_workload(args, n, args.resnet_epochs)
-        print(f"[resnet18 / random 32x32] {n} samples x {w.cfg.epochs} epochs, batch {w.cfg.batch_size} ...", flush=True)
+        print(
+            f"[resnet18 / random 32x32] {n} samples x {w.cfg.epochs} epochs, batch {w.cfg.batch_size} ...", flush=True
+        )
         comparisons.append(compare(w, device, args, reps))
 
     print()
-    headers = ["workload", "device", "batch", "samples/run", "reps", "ours samples/s", "plain samples/s", "ours/plain", "paired med", "best/best", "ours spread", "plain spread"]
+    headers = [
+        "workload",
+        "device",
+        "batch",
+        "samples/run",
+        "reps",
+        "ours samples/s",
+        "plain samples/s",
+        "ours/plain",
+        "paired med",
+        "best/best",
+        "ours spread",
+        "plain spread",
+    ]
     rows = []
     for c in comparisons:
         o, p = c["ours"], c["plain"]
-        rows.append([
-            c["workload"], c["device"], str(c["batch_size"]), str(c["samples_per_run"]), str(c["reps"]),
-            f"{o['median_samples_per_s']:.1f}", f"{p['median_samples_per_s']:.1f}",
-            f"{c['ratio_ours_over_plain']:.3f}", f"{c['paired_ratio_median']:.3f}", f"{c['ratio_best']:.3f}",
-            f"{o['min_samples_per_s']:.0f}-{o['max_samples_per_s']:.0f}",
-            f"{p['min_samples_per_s']:.0f}-{p['max_samples_per_s']:.0f}",
-        ])
+        rows.append(
+            [
+                c["workload"],
+                c["device"],
+                str(c["batch_size"]),
+                str(c["samples_per_run"]),
+                str(c["reps"]),
+                f"{o['median_samples_per_s']:.1f}",
+                f"{p['median_samples_per_s']:.1f}",
+                f"{c['ratio_ours_over_plain']:.3f}",
+                f"{c['paired_ratio_median']:.3f}",
+                f"{c['ratio_best']:.3f}",
+                f"{o['min_samples_per_s']:.0f}-{o['max_samples_per_s']:.0f}",
+                f"{p['min_samples_per_s']:.0f}-{p['max_samples_per_s']:.0f}",
+            ]
+        )
     if rows:
         print_table(headers, rows)
-        print("  ours/plain = ratio of the medians; paired med = median of rep-by-rep ratios; "
-              "best/best = fastest run of each (least disturbed by other load)")
+        print(
+            "  ours/plain = ratio of the medians; paired med = median of rep-by-rep ratios; "
+            "best/best = fastest run of each (least disturbed by other load)"
+        )
         for c in comparisons:
             verdict = "OK" if c["ratio_ours_over_plain"] >= GOAL_RATIO else "BELOW GOAL"
             internal = c["ours"].get("median_internal_samples_per_s")
-            print(f"  {c['workload']}: ours/plain = {c['ratio_ours_over_plain']:.3f} (goal >= {GOAL_RATIO}) {verdict}; "
-                  f"train()'s own timer: {internal:.1f} samples/s")
+            print(
+                f"  {c['workload']}: ours/plain = {c['ratio_ours_over_plain']:.3f} (goal >= {GOAL_RATIO}) {verdict}; "
+                f"train()'s own timer: {internal:.1f} samples/s"
+            )
 
     gpu_rows: list[dict[str, object]] = []
     print()
     if on_cuda:
-        print(f"[GPU] ResNet-18 32x32, batch {args.resnet_batch_size}, our loop, train.amp = off / fp16 / bf16 "
-              f"({args.gpu_resnet_samples} samples x {args.gpu_resnet_epochs} epochs, {args.gpu_reps} reps) ...", flush=True)
+        print(
+            f"[GPU] ResNet-18 32x32, batch {args.resnet_batch_size}, our loop, train.amp = off / fp16 / bf16 "
+            f"({args.gpu_resnet_samples} samples x {args.gpu_resnet_epochs} epochs, {args.gpu_reps} reps) ...",
+            flush=True,
+        )
         gpu_rows = gpu_amp(device, args)
         print_table(
             ["amp", "samples/s", "vs fp32", "peak mem MiB", "train() timer samples/s"],
-            [[str(r["amp"]), f"{r['median_samples_per_s']:.0f}", f"{r['speedup_vs_fp32']:.2f}x",
-              f"{r.get('peak_mem_mb', float('nan')):.0f}", f"{r.get('median_internal_samples_per_s', float('nan')):.0f}"] for r in gpu_rows],
+            [
+                [
+                    str(r["amp"]),
+                    f"{r['median_samples_per_s']:.0f}",
+                    f"{r['speedup_vs_fp32']:.2f}x",
+                    f"{r.get('peak_mem_mb', float('nan')):.0f}",
+                    f"{r.get('median_internal_samples_per_s', float('nan')):.0f}",
+                ]
+                for r in gpu_rows
+            ],
         )
     else:
-        print("GPU part skipped: no CUDA device (fp32 vs fp16-AMP vs bf16-AMP and peak memory run whenever CUDA is available).")
+        print(
+            "GPU part skipped: no CUDA device (fp32 vs fp16-AMP vs bf16-AMP and peak memory run whenever CUDA is available)."
+        )
 
     elapsed = time.perf_counter() - t0
     print(f"\ntotal benchmark time: {elapsed:.0f} s")
     if args.json:
-        out = {"machine": machine, "args": vars(args), "goal_ratio": GOAL_RATIO, "comparisons": comparisons,
-               "gpu_amp": gpu_rows if on_cuda else None, "gpu_skipped": not on_cuda, "elapsed_s": elapsed}
+        out = {
+            "machine": machine,
+            "args": vars(args),
+            "goal_ratio": GOAL_RATIO,
+            "comparisons": comparisons,
+            "gpu_amp": gpu_rows if on_cuda else None,
+            "gpu_skipped": not on_cuda,
+            "elapsed_s": elapsed,
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -80,7 +80,14 @@ class FedAvg(Strategy):
 
     # --- sending ---------------------------------------------------------------
     def _messages(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid, fraction: float, minimum: int, kind: str
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        grid: Grid,
+        fraction: float,
+        minimum: int,
+        kind: str,
     ) -> list[Message]:
         if fraction == 0.0:
             return []
@@ -89,18 +96,26 @@ class FedAvg(Strategy):
         config["server-round"] = server_round
         content = RecordDict({"arrays": arrays, "config": config})
         return [
-            Message(content=content, message_type=kind, dst_node_id=node, ttl=self.message_ttl_s, group_id=str(server_round))
+            Message(
+                content=content, message_type=kind, dst_node_id=node, ttl=self.message_ttl_s, group_id=str(server_round)
+            )
             for node in node_ids
         ]
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Sample nodes and send them the global model; remember its layout to screen replies."""
         self._specs = specs_of(arrays)
-        messages = self._messages(server_round, arrays, config, grid, self.fraction_train, self.min_train_nodes, MessageType.TRAIN)
+        messages = self._messages(
+            server_round, arrays, config, grid, self.fraction_train, self.min_train_nodes, MessageType.TRAIN
+        )
         self.train_report = RoundReport(sampled=len(messages))
         return messages
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         messages = self._messages(
             server_round, arrays, config, grid, self.fraction_evaluate, self.min_evaluate_nodes, MessageType.EVALUATE
         )
@@ -108,7 +123,9 @@ class FedAvg(Strategy):
         return messages
 
     # --- aggregating ------------------------------------------------------------
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         screened = screen_replies(replies, self._specs)
         self.train_report.accepted = [r.node_id for r in screened.valid]
         self.train_report.rejected = screened.rejected

@@ -80,7 +80,9 @@ def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec]) -> TensorDict
     """Zero-copy tensors of a reply's arrays, or InvalidReply naming the first problem."""
     missing, extra = specs.keys() - record.keys(), record.keys() - specs.keys()
     if missing or extra:
-        raise InvalidReply(f"array keys differ from the global model (missing {sorted(missing)}, unexpected {sorted(extra)})")
+        raise InvalidReply(
+            f"array keys differ from the global model (missing {sorted(missing)}, unexpected {sorted(extra)})"
+        )
     tensors: TensorDict = {}
     for key, spec in specs.items():
         arr = record[key]

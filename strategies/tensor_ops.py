@@ -41,9 +41,7 @@ def array_view(array: Array) -> torch.Tensor:
     if fortran or dtype.hasobject or not dtype.isnative or dtype.kind not in "biuf":
         raise ValueError(f"unsupported array payload (dtype {dtype}, fortran_order={fortran})")
     if tuple(shape) != tuple(array.shape) or str(dtype) != array.dtype:
-        raise ValueError(
-            f"payload is {dtype}{list(shape)} but declares {array.dtype}{list(array.shape)}"
-        )
+        raise ValueError(f"payload is {dtype}{list(shape)} but declares {array.dtype}{list(array.shape)}")
     offset = buf.tell()
     count = math.prod(shape)
     if len(data) - offset != count * dtype.itemsize:

@@ -16,7 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
 
 
-def make_reply(node_id: int, arrays: dict[str, np.ndarray] | None, metrics: dict | None, error: str | None = None) -> Message:
+def make_reply(
+    node_id: int, arrays: dict[str, np.ndarray] | None, metrics: dict | None, error: str | None = None
+) -> Message:
     """A reply as it arrives at the server from node `node_id`."""
     ins = Message(RecordDict(), dst_node_id=node_id, message_type="train")
     ins.metadata.__dict__["_message_id"] = f"m{node_id}"

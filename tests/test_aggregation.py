@@ -23,7 +23,7 @@ def test_weighted_mean_equals_closed_form(rng, model_arrays):
     weights = [3.0, 10.0, 1.0, 7.0, 2.0]
     got = weighted_mean([{k: torch.from_numpy(v) for k, v in c.items()} for c in clients], weights, torch.device("cpu"))
     for key in model_arrays:
-        expected = sum(w * c[key].astype(np.float64) for w, c in zip(weights, clients)) / sum(weights)
+        expected = sum(w * c[key].astype(np.float64) for w, c in zip(weights, clients, strict=True)) / sum(weights)
         np.testing.assert_allclose(got[key].numpy(), expected, rtol=1e-6, atol=1e-6)
         assert got[key].dtype == torch.float32
 
@@ -31,7 +31,10 @@ def test_weighted_mean_equals_closed_form(rng, model_arrays):
 def test_fedavg_matches_flower_aggregate_arrayrecords(rng, model_arrays):
     clients = _clients(rng, model_arrays, 6)
     counts = [12, 50, 7, 33, 1, 90]
-    replies = [make_reply(i + 1, c, {"num-examples": n, "train-loss": float(i)}) for i, (c, n) in enumerate(zip(clients, counts))]
+    replies = [
+        make_reply(i + 1, c, {"num-examples": n, "train-loss": float(i)})
+        for i, (c, n) in enumerate(zip(clients, counts, strict=True))
+    ]
     strategy = FedAvg()
     strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
     ours, metrics = strategy.aggregate_train(1, replies)
@@ -93,7 +96,9 @@ def test_messages_carry_ttl_round_and_config():
 
     grid = InProcessGrid(lambda m, c: m, num_nodes=3)
     strategy = FedAvg(message_ttl_s=123.0, min_train_nodes=3, min_available_nodes=3)
-    msgs = list(strategy.configure_train(4, ArrayRecord({"w": Array(np.zeros(2, np.float32))}), ConfigRecord({"a": 1}), grid))
+    msgs = list(
+        strategy.configure_train(4, ArrayRecord({"w": Array(np.zeros(2, np.float32))}), ConfigRecord({"a": 1}), grid)
+    )
     assert len(msgs) == 3 and {m.metadata.dst_node_id for m in msgs} == set(grid.get_node_ids())
     assert all(m.metadata.ttl == 123.0 and m.metadata.group_id == "4" for m in msgs)
     assert msgs[0].content["config"]["server-round"] == 4

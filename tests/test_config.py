@@ -13,7 +13,12 @@ from app.results import new_run_dir, output_root
 
 def test_defaults_compose_and_validate():
     cfg, raw = load_config("")
-    assert (cfg.strategy.name, cfg.dataset.name, cfg.partition.name, cfg.model.name) == ("fedavg", "digits", "iid", "cnn")
+    assert (cfg.strategy.name, cfg.dataset.name, cfg.partition.name, cfg.model.name) == (
+        "fedavg",
+        "digits",
+        "iid",
+        "cnn",
+    )
     assert raw.train.amp == "auto"
 
 
@@ -43,7 +48,10 @@ def test_overrides_string_is_applied():
         ("train.grad_clip=-1", ["train.grad_clip=-1", ">= 0"]),
         ("federation.fraction_train=0", ["federation.fraction_train=0", "(0, 1]"]),
         ("federation.fraction_train=1.5", ["federation.fraction_train=1.5", "(0, 1]"]),
-        ("federation.min_train_nodes=5 federation.min_available_nodes=2", ["federation.min_available_nodes=2", ">= federation.min_train_nodes"]),
+        (
+            "federation.min_train_nodes=5 federation.min_available_nodes=2",
+            ["federation.min_available_nodes=2", ">= federation.min_train_nodes"],
+        ),
         ("federation.message_ttl_s=10 federation.round_timeout_s=60", ["federation.message_ttl_s=10", "expire"]),
         ("dataset=npz", ["dataset.path=None", "dataset=npz needs dataset.path"]),
         ("dataset=npz dataset.path=/no/such/file.npz", ["dataset.path='/no/such/file.npz'", "no such .npz file"]),
@@ -102,7 +110,13 @@ def test_server_app_refuses_bad_config_before_any_work(tmp_path):
         def __getattr__(self, name):
             raise AssertionError(f"the grid was used ({name}) despite a bad config")
 
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"overrides": "train.lr=-1", "output-dir": str(tmp_path)})
+    context = Context(
+        run_id=1,
+        node_id=0,
+        node_config={},
+        state=RecordDict(),
+        run_config={"overrides": "train.lr=-1", "output-dir": str(tmp_path)},
+    )
     with pytest.raises(ConfigError, match="train.lr=-1"):
         main(NoGrid(), context)
     assert list(tmp_path.iterdir()) == []

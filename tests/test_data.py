@@ -43,8 +43,8 @@ def test_partitions_are_deterministic_per_seed_and_disjoint(cfg):
     first = _all_partitions(labels, 6, cfg, seed=3)
     again = _all_partitions(labels, 6, cfg, seed=3)
     other = _all_partitions(labels, 6, cfg, seed=4)
-    assert all(np.array_equal(a, b) for a, b in zip(first, again))
-    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other, strict=True))
     joined = np.concatenate(first)
     assert len(joined) == len(np.unique(joined)) == len(labels)  # disjoint and complete
 
@@ -75,7 +75,13 @@ def test_npz_images_in_any_layout(tmp_path, shape, expected):
 def test_npz_with_own_test_split_and_float_images(tmp_path):
     path = tmp_path / "mine.npz"
     rng = np.random.default_rng(0)
-    np.savez(path, x=rng.random((40, 1, 6, 6)), y=rng.integers(0, 3, 40), x_test=rng.random((9, 1, 6, 6)), y_test=rng.integers(0, 3, 9))
+    np.savez(
+        path,
+        x=rng.random((40, 1, 6, 6)),
+        y=rng.integers(0, 3, 40),
+        x_test=rng.random((9, 1, 6, 6)),
+        y_test=rng.integers(0, 3, 9),
+    )
     train, test = load_splits(DatasetConfig(name="npz", path=str(path)), seed=0)
     assert len(train.labels) == 40 and len(test.labels) == 9
     assert materialize(train).x.dtype.is_floating_point

@@ -12,9 +12,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from inprocess_grid import InProcessGrid
 
 from app.client_app import app as client_app
-from app.client_app import spec_to_record
 from app.config import load_config, to_client_record
-from app.data import DataSpec
+from app.data import DataSpec, spec_to_record
 from app.federated_run import run_federation
 
 FAST = "federation.rounds={rounds} train.epochs=2 seed=3"
@@ -78,8 +77,18 @@ def test_malicious_and_broken_nodes_are_rejected_and_logged(tmp_path):
     def tamper(node_id: int, reply: Message) -> Message:
         if node_id == 1000:  # NaN weights
             arrays = reply.content["arrays"]
-            poisoned = {k: np.full(a.shape, np.nan, dtype=a.dtype) for k, a in ((k, v.numpy()) for k, v in arrays.items())}
-            return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in poisoned.items()}), "metrics": reply.content["metrics"]}), reply_to=_ins(reply))
+            poisoned = {
+                k: np.full(a.shape, np.nan, dtype=a.dtype) for k, a in ((k, v.numpy()) for k, v in arrays.items())
+            }
+            return Message(
+                RecordDict(
+                    {
+                        "arrays": ArrayRecord({k: Array(v) for k, v in poisoned.items()}),
+                        "metrics": reply.content["metrics"],
+                    }
+                ),
+                reply_to=_ins(reply),
+            )
         if node_id == 1001:  # claims no examples
             metrics = MetricRecord({**reply.content["metrics"], "num-examples": 0})
             return Message(RecordDict({"arrays": reply.content["arrays"], "metrics": metrics}), reply_to=_ins(reply))
@@ -124,7 +133,16 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
     from app.models import build_model
 
     arrays = ArrayRecord(build_model(cfg.model, spec).state_dict())
-    ins = Message(RecordDict({"arrays": arrays, "config": ConfigRecord({**to_client_record(cfg), **spec_to_record(spec), "server-round": 1})}), dst_node_id=7, message_type="train")
+    ins = Message(
+        RecordDict(
+            {
+                "arrays": arrays,
+                "config": ConfigRecord({**to_client_record(cfg), **spec_to_record(spec), "server-round": 1}),
+            }
+        ),
+        dst_node_id=7,
+        message_type="train",
+    )
     ins.metadata.__dict__["_message_id"] = "x"
     reply = client_app(ins, context_for(0, 1, node_config={"data-path": str(path)}))
     assert reply.content["metrics"]["num-examples"] == 45  # 10% kept for validation

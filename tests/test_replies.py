@@ -8,7 +8,7 @@ from conftest import make_reply
 from flwr.app import Array, ArrayRecord, MetricRecord
 
 from strategies.fedavg import FedAvg
-from strategies.replies import specs_of, weighted_metrics, screen_replies
+from strategies.replies import screen_replies, specs_of, weighted_metrics
 
 
 def _bad_replies(good: dict[str, np.ndarray]) -> dict[str, object]:
