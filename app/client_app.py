@@ -18,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from app.attacks import MODEL_POISONING, flip_labels, is_malicious, poison
 from app.config import ClientSettings
 from app.data import (
     DataSpec,
@@ -93,16 +94,26 @@ def prepare_job(msg: Message, context: Context) -> Job:
     return Job(record, settings, precision, train_data, val_data, prepare_model(model, precision))
 
 
+def partition_of(context: Context) -> int | None:
+    """This node's partition id in simulation; None for a deployed node with its own data."""
+    cfg = context.node_config
+    return None if cfg.get("data-path") or "partition-id" not in cfg else int(cfg["partition-id"])
+
+
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
-    settings = job.settings
-    seed = client_seed(
-        settings.seed, int(job.record.get("server-round", 0)), int(context.node_config.get("partition-id", 0))
-    )
+    settings, attack = job.settings, job.settings.attack
+    partition = partition_of(context)
+    seed = client_seed(settings.seed, int(job.record.get("server-round", 0)), partition or 0)
     torch.manual_seed(seed)
+    malicious = is_malicious(attack, settings.seed, partition, int(context.node_config.get("num-partitions", 1)))
+    train_data = job.train_data
+    if malicious and attack.name == "label_flip":
+        train_data = ImageTensors(train_data.x, flip_labels(train_data.y, spec_from_record(job.record).num_classes))
+    global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
-        stats = train(job.model, job.train_data, settings.train, job.precision, seed)
+        stats = train(job.model, train_data, settings.train, job.precision, seed)
     metrics: dict[str, float | int] = {
         "num-examples": stats.num_examples,
         "train-loss": stats.loss,
@@ -114,7 +125,11 @@ def train_handler(msg: Message, context: Context) -> Message:
     }
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
+    if partition is not None:
+        metrics["partition-id"] = partition
     state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}
+    if malicious and attack.name in MODEL_POISONING:
+        state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 

@@ -21,7 +21,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
-STRATEGIES = ("fedavg",)
+STRATEGIES = ("fedavg", "krum", "multikrum", "median", "trimmed_mean")
+ROBUST_POLICIES = ("skip", "fallback")
+ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist")
 PARTITIONS = ("iid", "dirichlet")
@@ -41,6 +43,11 @@ class ConfigError(ValueError):
 @dataclass(unsafe_hash=True)
 class StrategyConfig:
     name: str = "fedavg"
+    # Byzantine-robust strategies (krum, multikrum, median, trimmed_mean):
+    num_byzantine: int = 0  # f, the Byzantine clients to tolerate
+    num_selected: int = 1  # m, Multi-Krum's selected updates
+    trim_ratio: float = 0.1  # trimmed mean: fraction trimmed from each end
+    on_too_few: str = "skip"  # skip | fallback (to the median) when too few valid replies
 
 
 @dataclass(unsafe_hash=True)
@@ -82,6 +89,13 @@ class TrainConfig:
 
 
 @dataclass(unsafe_hash=True)
+class AttackConfig:
+    name: str = "none"
+    num_malicious: int = 0
+    scale: float = 1.0
+
+
+@dataclass(unsafe_hash=True)
 class FederationConfig:
     rounds: int = 10
     fraction_train: float = 1.0
@@ -102,6 +116,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     seed: int = 42
     name: str | None = None
     resume: str | None = None
@@ -164,7 +179,29 @@ def _one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
 
 def validate(cfg: Config) -> Config:
     """Reject values that cannot work, before any training starts."""
-    _one_of("strategy.name", cfg.strategy.name, STRATEGIES)
+    s = cfg.strategy
+    _one_of("strategy.name", s.name, STRATEGIES)
+    _require(s.num_byzantine >= 0, "strategy.num_byzantine", s.num_byzantine, "must be >= 0")
+    _require(s.num_selected >= 1, "strategy.num_selected", s.num_selected, "must be >= 1")
+    if s.name == "krum":
+        _require(
+            s.num_selected == 1,
+            "strategy.num_selected",
+            s.num_selected,
+            "Krum selects 1; use strategy=multikrum for m > 1",
+        )
+    _require(
+        0.0 <= s.trim_ratio < 0.5,
+        "strategy.trim_ratio",
+        s.trim_ratio,
+        "must be in [0, 0.5): 0.5 or more trims everything",
+    )
+    _one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
+
+    a = cfg.attack
+    _one_of("attack.name", a.name, ATTACKS)
+    _require(a.num_malicious >= 0, "attack.num_malicious", a.num_malicious, "must be >= 0")
+    _require(a.scale > 0, "attack.scale", a.scale, "must be > 0")
 
     d = cfg.dataset
     _one_of("dataset.name", d.name, DATASETS)
@@ -247,6 +284,7 @@ CLIENT_SECTIONS = {
     "partition": PartitionConfig,
     "model": ModelConfig,
     "train": TrainConfig,
+    "attack": AttackConfig,
 }
 
 
@@ -258,6 +296,7 @@ class ClientSettings:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     seed: int = 42
 
     @classmethod

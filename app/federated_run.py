@@ -10,38 +10,79 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
+from app.attacks import malicious_partitions
 from app.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.config import Config, ConfigError, to_client_record
+from app.config import STRATEGIES, Config, ConfigError, to_client_record
 from app.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.models import build_model
 from app.results import RunRecorder, new_run_dir
 from app.training import evaluate, resolve_device, resolve_precision
+from strategies.coordinatewise import CoordinateMedian, TrimmedMean
 from strategies.fedavg import FedAvg
+from strategies.krum import Krum, MultiKrum
+from strategies.robust import RobustStrategy
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
 def build_strategy(cfg: Config, device: torch.device) -> FedAvg:
+    """The configured strategy; robust ones get f, m, the trim ratio and the too-few policy."""
+    f, st = cfg.federation, cfg.strategy
+    common = {
+        "fraction_train": f.fraction_train,
+        "min_train_nodes": f.min_train_nodes,
+        "fraction_evaluate": f.fraction_evaluate,
+        "min_evaluate_nodes": f.min_evaluate_nodes,
+        "min_available_nodes": f.min_available_nodes,
+        "message_ttl_s": f.message_ttl_s,
+        "device": device,
+    }
+    robust = {**common, "num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few}
+    if st.name == "fedavg":
+        return FedAvg(**common)
+    if st.name == "krum":
+        return Krum(**robust)
+    if st.name == "multikrum":
+        return MultiKrum(num_selected=st.num_selected, **robust)
+    if st.name == "median":
+        return CoordinateMedian(**robust)
+    if st.name == "trimmed_mean":
+        return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
+    raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
+
+
+def check_cohort(cfg: Config, strategy: FedAvg, num_nodes: int) -> int:
+    """Before the first round: can the rounds' cohort ever satisfy the strategy and attack?"""
     f = cfg.federation
-    if cfg.strategy.name == "fedavg":
-        return FedAvg(
-            fraction_train=f.fraction_train,
-            min_train_nodes=f.min_train_nodes,
-            fraction_evaluate=f.fraction_evaluate,
-            min_evaluate_nodes=f.min_evaluate_nodes,
-            min_available_nodes=f.min_available_nodes,
-            message_ttl_s=f.message_ttl_s,
-            device=device,
+    cohort = min(num_nodes, max(int(num_nodes * f.fraction_train), f.min_train_nodes))
+    if isinstance(strategy, RobustStrategy) and (problem := strategy.cohort_problem(cohort)):
+        raise ConfigError(
+            f"{problem} ({num_nodes} nodes, federation.fraction_train={f.fraction_train}, "
+            f"federation.min_train_nodes={f.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
         )
-    raise ConfigError(f"strategy.name={cfg.strategy.name!r} is invalid: allowed: fedavg")
+    if cfg.attack.num_malicious > num_nodes:
+        raise ConfigError(f"attack.num_malicious={cfg.attack.num_malicious} is invalid: only {num_nodes} nodes")
+    return cohort
+
+
+def node_partitions(replies: list[Message]) -> dict[str, int]:
+    """node id -> partition id, as simulated nodes report it (for reading attack results)."""
+    out = {}
+    for msg in replies:
+        if not msg.has_error():
+            for record in msg.content.metric_records.values():
+                if isinstance(record.get("partition-id"), int):
+                    out[str(msg.metadata.src_node_id)] = record["partition-id"]
+    return out
 
 
 def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> None:
@@ -88,6 +129,7 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
     first_round, elapsed_before = 1, 0.0
     nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
     check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
+    check_cohort(cfg, strategy, len(nodes))
     if cfg.resume:
         ckpt = load_checkpoint(cfg.resume)
         _check_compatible(ckpt, model, cfg.resume)
@@ -115,6 +157,9 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
         first_round,
         cfg.federation.rounds,
     )
+    attacked = malicious_partitions(cfg.seed, len(nodes), cfg.attack.num_malicious) if cfg.attack.name != "none" else []
+    if attacked:
+        log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, attacked, cfg.attack.scale)
     client_config = {**to_client_record(cfg), **spec_to_record(spec)}
     timeout = cfg.federation.round_timeout_s
 
@@ -153,6 +198,8 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
                 "num_missing": report.sampled - len(replies),
                 "model_updated": new_arrays is not None,
                 "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
+                "robust": report.robust_row() if isinstance(strategy, RobustStrategy) else None,
+                "node_partitions": node_partitions(replies),
                 "train": dict(train_metrics) if train_metrics else {},
                 "federated_eval": dict(fed_eval) if fed_eval else {},
             }
@@ -183,6 +230,7 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
                 "dataset": cfg.dataset.name,
                 "model": cfg.model.name,
                 "num_nodes": len(nodes),
+                "attack": {**asdict(cfg.attack), "malicious_partitions": attacked},
                 "final_model": str(recorder.final_model_path),
                 "checkpoint": str(recorder.checkpoint_path),
             },

@@ -18,8 +18,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-from strategies.replies import ArraySpec, Rejection, screen_replies, specs_of, weighted_metrics
-from strategies.tensor_ops import tensors_to_record, weighted_mean
+from strategies.replies import ArraySpec, Rejection, Screened, reject, screen_replies, specs_of, weighted_metrics
+from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, tensors_to_record, weighted_mean
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -29,8 +29,20 @@ class RoundReport:
     """Who took part in the last aggregation, for logs and metrics.jsonl."""
 
     sampled: int = 0
-    accepted: list[int] = field(default_factory=list)
-    rejected: list[Rejection] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # replies the new model is built from
+    rejected: list[Rejection] = field(default_factory=list)  # invalid replies
+    excluded: list[int] = field(default_factory=list)  # valid replies a robust rule left out
+    scores: dict[int, float] = field(default_factory=dict)  # per-node robust scores (Krum)
+    policy: str | None = None  # what happened when too few valid replies arrived
+
+    def robust_row(self) -> dict[str, Any]:
+        """The robust-aggregation part of a metrics.jsonl row."""
+        return {
+            "selected": self.accepted,
+            "excluded": self.excluded,
+            "scores": {str(k): v for k, v in self.scores.items()},
+            "policy": self.policy,
+        }
 
 
 class FedAvg(Strategy):
@@ -63,6 +75,7 @@ class FedAvg(Strategy):
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self._specs: dict[str, ArraySpec] = {}
+        self._global: TensorDict = {}  # the model sent this round: every reply's base
 
     def summary(self) -> None:
         log.info(
@@ -107,6 +120,7 @@ class FedAvg(Strategy):
     ) -> Iterable[Message]:
         """Sample nodes and send them the global model; remember its layout to screen replies."""
         self._specs = specs_of(arrays)
+        self._global = record_to_tensors(arrays)
         messages = self._messages(
             server_round, arrays, config, grid, self.fraction_train, self.min_train_nodes, MessageType.TRAIN
         )
@@ -123,17 +137,45 @@ class FedAvg(Strategy):
         return messages
 
     # --- aggregating ------------------------------------------------------------
+    # Robust aggregators override these two.
+    screen_finite = False  # FedAvg finds NaN/Inf in its own output instead of a separate pass
+
+    def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
+        """The new global model from the screened replies, or None to keep the old one.
+
+        The weighted mean is computed first; a NaN or Inf in the result points to the
+        replies that caused it, which are rejected before the mean is recomputed. The
+        common case thus reads every reply once.
+        """
+        while screened.valid:
+            out = weighted_mean([r.arrays for r in screened.valid], [r.weight for r in screened.valid], self.device)
+            bad_keys = [k for k, t in out.items() if not is_finite(t)]
+            if not bad_keys:
+                return out
+            culprits = [r for r in screened.valid if any(not is_finite(r.arrays[k]) for k in bad_keys)]
+            if not culprits:
+                log.warning(
+                    "round %d: the weighted mean overflowed in %s; keeping the previous model", server_round, bad_keys
+                )
+                return None
+            for reply in culprits:
+                reject(screened, reply, "non-finite values (NaN or Inf)")
+        return None
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        screened = screen_replies(replies, self._specs)
-        self.train_report.accepted = [r.node_id for r in screened.valid]
-        self.train_report.rejected = screened.rejected
-        if not screened.valid:
-            log.warning("round %d: no valid training reply; keeping the previous global model", server_round)
+        screened = screen_replies(replies, self._specs, check_finite=self.screen_finite)
+        report = self.train_report
+        new = self.aggregate_models(server_round, screened)
+        report.rejected = screened.rejected
+        report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
+        if new is None:
+            if not screened.valid:
+                log.warning("round %d: no valid training reply; keeping the previous global model", server_round)
             return None, None
-        averaged = weighted_mean([r.arrays for r in screened.valid], [r.weight for r in screened.valid], self.device)
-        return tensors_to_record(averaged), weighted_metrics(screened.valid)
+        used = [r for r in screened.valid if r.node_id in report.accepted]
+        return tensors_to_record(new), weighted_metrics(used)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         screened = screen_replies(replies, None)

@@ -76,8 +76,12 @@ def reply_weight(metrics: MetricRecord, weight_key: str = WEIGHT_KEY) -> float:
     return float(value)
 
 
-def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec]) -> TensorDict:
-    """Zero-copy tensors of a reply's arrays, or InvalidReply naming the first problem."""
+def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec], check_finite: bool = True) -> TensorDict:
+    """Zero-copy tensors of a reply's arrays, or InvalidReply naming the first problem.
+
+    `check_finite=False` leaves the NaN/Inf check to an aggregator that gets it for
+    free from its own pass over the data (FedAvg's output, Krum's Gram diagonal).
+    """
     missing, extra = specs.keys() - record.keys(), record.keys() - specs.keys()
     if missing or extra:
         raise InvalidReply(
@@ -92,36 +96,56 @@ def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec]) -> TensorDict
             tensor = array_view(arr)
         except ValueError as err:
             raise InvalidReply(f"{key}: {err}") from err
-        if not is_finite(tensor):
+        if check_finite and not is_finite(tensor):
             raise InvalidReply(f"{key}: non-finite values (NaN or Inf)")
         tensors[key] = tensor
     return tensors
 
 
-def screen_reply(msg: Message, specs: dict[str, ArraySpec] | None, weight_key: str = WEIGHT_KEY) -> ValidReply:
+def screen_reply(
+    msg: Message, specs: dict[str, ArraySpec] | None, weight_key: str = WEIGHT_KEY, check_finite: bool = True
+) -> ValidReply:
     """Validate one reply; `specs=None` checks metrics only (evaluation replies)."""
     if msg.has_error():
         raise InvalidReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
     content = msg.content
     metrics = _only_record(content.metric_records, "MetricRecord")
     weight = reply_weight(metrics, weight_key)
-    arrays = check_arrays(_only_record(content.array_records, "ArrayRecord"), specs) if specs is not None else {}
+    arrays = (
+        check_arrays(_only_record(content.array_records, "ArrayRecord"), specs, check_finite)
+        if specs is not None
+        else {}
+    )
     return ValidReply(node_id=msg.metadata.src_node_id, weight=weight, metrics=metrics, arrays=arrays)
 
 
 def screen_replies(
-    replies: Iterable[Message], specs: dict[str, ArraySpec] | None, weight_key: str = WEIGHT_KEY
+    replies: Iterable[Message],
+    specs: dict[str, ArraySpec] | None,
+    weight_key: str = WEIGHT_KEY,
+    check_finite: bool = True,
 ) -> Screened:
     """Split replies into valid ones and logged rejections."""
     out = Screened()
     for msg in replies:
         try:
-            out.valid.append(screen_reply(msg, specs, weight_key))
+            out.valid.append(screen_reply(msg, specs, weight_key, check_finite))
         except InvalidReply as err:
             node = msg.metadata.src_node_id
             out.rejected.append(Rejection(node, str(err)))
             log.warning("rejected reply from node %s: %s", node, err)
     return out
+
+
+def reject(screened: Screened, reply: ValidReply, reason: str) -> None:
+    """Move a reply that passed screening to the rejections (found bad while aggregating)."""
+    screened.valid.remove(reply)
+    screened.rejected.append(Rejection(reply.node_id, reason))
+    log.warning("rejected reply from node %s: %s", reply.node_id, reason)
+
+
+# Reply metrics that describe a node rather than its training: not averaged.
+IDENTITY_KEYS = ("partition-id",)
 
 
 def weighted_metrics(valid: list[ValidReply], weight_key: str = WEIGHT_KEY) -> MetricRecord:
@@ -134,7 +158,7 @@ def weighted_metrics(valid: list[ValidReply], weight_key: str = WEIGHT_KEY) -> M
     weights: dict[str, float] = {}
     for reply in valid:
         for key, value in reply.metrics.items():
-            if key == weight_key or isinstance(value, list) or not math.isfinite(value):
+            if key == weight_key or key in IDENTITY_KEYS or isinstance(value, list) or not math.isfinite(value):
                 continue
             sums[key] = sums.get(key, 0.0) + reply.weight * float(value)
             weights[key] = weights.get(key, 0.0) + reply.weight

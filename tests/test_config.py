@@ -100,7 +100,9 @@ def test_client_settings_roundtrip_through_a_config_record():
     cfg, _ = load_config("train.lr=0.2 train.amp=bf16 partition=dirichlet seed=3")
     record = ConfigRecord(to_client_record(cfg))  # only ConfigRecord-legal scalars
     settings = ClientSettings.from_record(dict(record))
-    assert settings == ClientSettings(cfg.dataset, cfg.partition, cfg.model, cfg.train, cfg.seed)
+    assert settings == ClientSettings(
+        dataset=cfg.dataset, partition=cfg.partition, model=cfg.model, train=cfg.train, attack=cfg.attack, seed=cfg.seed
+    )
 
 
 def test_server_app_refuses_bad_config_before_any_work(tmp_path):

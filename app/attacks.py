@@ -1,0 +1,62 @@
+"""Byzantine client simulation, run inside the ClientApp so attacks cross the network.
+
+Which nodes are malicious is a seeded draw of `attack.num_malicious` partition ids
+(`malicious_partitions`); the server computes the same draw and records it. Honest
+nodes are untouched.
+
+- sign_flip:  send global − s·Δ (Δ = the honest update)
+- scale:      send global + s·Δ (model replacement)
+- gaussian:   send global + N(0, s²) on every floating-point weight (no training)
+- label_flip: train honestly on labels y → C − 1 − y
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from app.config import AttackConfig
+
+MODEL_POISONING = ("sign_flip", "scale", "gaussian")
+
+
+def malicious_partitions(seed: int, num_partitions: int, num_malicious: int) -> list[int]:
+    """The partition ids of the malicious nodes, deterministic by seed."""
+    if num_malicious > num_partitions:
+        raise ValueError(f"attack.num_malicious={num_malicious} exceeds the {num_partitions} nodes")
+    draw = np.random.default_rng([seed, 0xB12]).permutation(num_partitions)[:num_malicious]
+    return sorted(int(i) for i in draw)
+
+
+def is_malicious(cfg: AttackConfig, seed: int, partition_id: int | None, num_partitions: int) -> bool:
+    """Only simulated nodes (with a partition id) are ever made malicious."""
+    if cfg.name == "none" or cfg.num_malicious == 0 or partition_id is None:
+        return False
+    return partition_id in malicious_partitions(seed, num_partitions, cfg.num_malicious)
+
+
+def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    return num_classes - 1 - y
+
+
+def poison(
+    trained: dict[str, torch.Tensor], global_model: dict[str, torch.Tensor], cfg: AttackConfig, seed: int
+) -> dict[str, torch.Tensor]:
+    """The state a model-poisoning client sends instead of its trained model."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, t in trained.items():
+        g = global_model[key].to(t.device)
+        if not t.is_floating_point():
+            out[key] = t
+        elif cfg.name == "sign_flip":
+            out[key] = g - cfg.scale * (t - g)
+        elif cfg.name == "scale":
+            out[key] = g + cfg.scale * (t - g)
+        elif cfg.name == "gaussian":
+            out[key] = g + cfg.scale * torch.randn(t.shape, generator=generator, dtype=torch.float32).to(
+                t.device, t.dtype
+            )
+        else:
+            raise ValueError(f"attack.name={cfg.name!r} does not poison models")
+    return out

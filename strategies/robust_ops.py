@@ -1,0 +1,156 @@
+"""Block-wise maths of the Byzantine-robust aggregators, on client *updates*.
+
+An update is a client's model minus the model it was sent (its base). Every function
+takes the models and their bases separately and forms update blocks on the fly: a
+synchronous round passes the same global model as every base, the asynchronous
+buffer passes each update's own version. Nothing materialises the n x d update
+matrix: work goes through one n x block buffer at a time, so the extra memory beyond
+the received arrays is one model-sized output plus one block (plus n x n scalars).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from strategies.tensor_ops import TensorDict
+
+DEFAULT_BLOCK_BYTES = 4 << 20  # 4 MiB: the n x block float32 buffer stays in cache
+
+
+def float_keys(like: TensorDict) -> list[str]:
+    return [k for k, t in like.items() if t.is_floating_point()]
+
+
+def _blocks(numel: int, block: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, numel, block):
+        yield start, min(start + block, numel)
+
+
+def _block_elems(n: int, block_bytes: int) -> int:
+    return max(1024, block_bytes // (4 * max(n, 1)))
+
+
+def fill_update_block(
+    out: torch.Tensor, models: Sequence[TensorDict], bases: Sequence[TensorDict], key: str, start: int, end: int
+) -> torch.Tensor:
+    """out[i] = (models[i][key] - bases[i][key]).flatten()[start:end], as float32 on out's device."""
+    for i, (model, base) in enumerate(zip(models, bases, strict=True)):
+        m = model[key].reshape(-1)[start:end].to(out.device, non_blocking=True)
+        b = base[key].reshape(-1)[start:end].to(out.device, non_blocking=True)
+        torch.sub(m, b, out=out[i])
+    return out
+
+
+def update_gram(
+    models: Sequence[TensorDict],
+    bases: Sequence[TensorDict],
+    device: torch.device,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> torch.Tensor:
+    """G[i, j] = <Δᵢ, Δⱼ> over all floating-point tensors, accumulated in float64.
+
+    Each block is a float32 BLAS matrix product (B Bᵀ); the sum over blocks is float64
+    so large models do not lose the small differences between nearby updates. A
+    non-finite value anywhere in update i makes G[i, i] non-finite and leaves the
+    entries between finite updates untouched: the diagonal doubles as a finiteness
+    check of every update.
+    """
+    n = len(models)
+    gram = torch.zeros(n, n, dtype=torch.float64, device=device)
+    block = _block_elems(n, block_bytes)
+    buf = torch.empty(n, block, dtype=torch.float32, device=device)
+    for key in float_keys(models[0]):
+        for start, end in _blocks(models[0][key].numel(), block):
+            b = fill_update_block(buf[:, : end - start], models, bases, key, start, end)
+            gram += (b @ b.T).double()
+    return gram
+
+
+def squared_distances(gram: torch.Tensor) -> torch.Tensor:
+    """‖Δᵢ − Δⱼ‖² = Gᵢᵢ + Gⱼⱼ − 2Gᵢⱼ, clamped at 0 against rounding."""
+    diag = gram.diagonal()
+    return (diag[:, None] + diag[None, :] - 2 * gram).clamp_(min=0)
+
+
+def krum_scores(distances: torch.Tensor, num_byzantine: int) -> torch.Tensor:
+    """Krum score of each client: the sum of its n − f − 2 smallest distances to others.
+
+    Blanchard et al. 2017, "Machine Learning with Adversaries: Byzantine Tolerant
+    Gradient Descent" (https://arxiv.org/abs/1703.02757).
+    """
+    n = distances.shape[0]
+    k = n - num_byzantine - 2
+    if k < 1:
+        raise ValueError(f"Krum needs n >= 2f + 3 updates (n={n}, f={num_byzantine})")
+    others = distances + torch.diag(torch.full((n,), float("inf"), dtype=distances.dtype, device=distances.device))
+    return others.topk(k, dim=1, largest=False).values.sum(dim=1)
+
+
+def select_lowest(scores: torch.Tensor, m: int) -> list[int]:
+    """Indices of the m lowest scores, best first (stable on ties)."""
+    order = torch.sort(scores, stable=True).indices
+    return [int(i) for i in order[:m]]
+
+
+def coordinatewise(
+    models: Sequence[TensorDict],
+    bases: Sequence[TensorDict],
+    trim: int | None,
+    device: torch.device,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> TensorDict:
+    """Coordinate-wise trimmed mean of the updates; trim=None gives the median.
+
+    Per coordinate the n values are sorted; the trimmed mean averages the middle
+    n − 2·trim, the median is the middle value (the mean of the two middle values for
+    even n, as NumPy defines it). Unweighted, as in Yin et al. 2018 ("Byzantine-Robust
+    Distributed Learning", https://arxiv.org/abs/1803.01498): sample counts are
+    claims a Byzantine client could inflate. Integer tensors (BatchNorm counters)
+    are aggregated in float64 and rounded back.
+    """
+    n = len(models)
+    if trim is not None and not 0 <= 2 * trim < n:
+        raise ValueError(f"trimming {trim} from each end of {n} values leaves nothing")
+    block = _block_elems(n, block_bytes)
+    out: TensorDict = {}
+    for key, ref in models[0].items():
+        dtype = torch.float32 if ref.is_floating_point() else torch.float64
+        result = torch.empty(ref.numel(), dtype=dtype, device=device)
+        buf = torch.empty(n, min(block, ref.numel()), dtype=dtype, device=device)
+        for start, end in _blocks(ref.numel(), block):
+            b = fill_update_block(buf[:, : end - start], models, bases, key, start, end)
+            ordered = b.sort(dim=0).values
+            if trim is None:
+                mid = (n - 1) // 2
+                value = ordered[mid] if n % 2 else (ordered[mid] + ordered[mid + 1]) / 2
+            else:
+                value = ordered[trim : n - trim].mean(dim=0)
+            result[start:end] = value
+        out[key] = result.view(ref.shape)
+    return out
+
+
+def mean_update(
+    models: Sequence[TensorDict], bases: Sequence[TensorDict], weights: Sequence[float], device: torch.device
+) -> TensorDict:
+    """Σ wᵢ(modelᵢ − baseᵢ) / Σ wᵢ, in float (float64 for integer tensors)."""
+    total = float(sum(weights))
+    out: TensorDict = {}
+    for key, ref in models[0].items():
+        acc = torch.zeros(ref.shape, dtype=torch.float32 if ref.is_floating_point() else torch.float64, device=device)
+        for model, base, w in zip(models, bases, weights, strict=True):
+            acc.add_(model[key].to(device, non_blocking=True), alpha=w / total)
+            acc.sub_(base[key].to(device, non_blocking=True), alpha=w / total)
+        out[key] = acc
+    return out
+
+
+def apply_update(base: TensorDict, update: TensorDict) -> TensorDict:
+    """base + update, back in base's dtypes (integer tensors rounded)."""
+    out: TensorDict = {}
+    for key, ref in base.items():
+        value = ref.to(update[key].device, update[key].dtype) + update[key]
+        out[key] = (value if ref.is_floating_point() else value.round()).to(ref.dtype)
+    return out
