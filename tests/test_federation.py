@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import context_for
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from inprocess_grid import InProcessGrid
 
 from app.client_app import app as client_app
 from app.config import load_config, to_client_record
 from app.data import DataSpec, spec_to_record
 from app.federated_run import run_federation
+from app.local_grid import InProcessGrid
 
 FAST = "federation.rounds={rounds} train.epochs=2 seed=3"
 

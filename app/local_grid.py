@@ -1,4 +1,5 @@
-"""A Flower Grid that runs our ClientApp in this process, for fast deterministic tests.
+"""A Flower Grid that runs our ClientApp in this process: fast, deterministic runs
+for tests and experiment sweeps (no SuperLink, no Ray).
 
 It follows the contract of Flower's InMemoryGrid (message ids set on push, replies
 matched by reply_to_message_id, a ClientApp exception becomes an error reply) but
