@@ -63,6 +63,14 @@ def test_overrides_string_is_applied():
         ("train.lrr=0.1", ["train.lrr is not a config key"]),
         ("federation.rounds=[1,2", ["bad override"]),
         ("server_device=gpu", ["server_device='gpu'"]),
+        ("strategy=trimmed_mean strategy.trim_ratio=0.5", ["strategy.trim_ratio=0.5", "trims everything"]),
+        ("strategy=multikrum strategy.num_selected=0", ["strategy.num_selected=0", ">= 1"]),
+        ("strategy=krum strategy.num_selected=3", ["strategy.num_selected=3", "use strategy=multikrum"]),
+        ("strategy=krum strategy.num_byzantine=-1", ["strategy.num_byzantine=-1", ">= 0"]),
+        ("strategy=krum strategy.on_too_few=average", ["strategy.on_too_few='average'", "skip, fallback"]),
+        ("attack=poison", ["attack='poison'", "sign_flip"]),
+        ("attack=sign_flip attack.scale=0", ["attack.scale=0", "> 0"]),
+        ("attack=scale attack.num_malicious=-2", ["attack.num_malicious=-2", ">= 0"]),
     ],
 )
 def test_bad_value_is_rejected_with_its_key(overrides, words):

@@ -159,3 +159,45 @@ def test_too_few_nodes_fails_clearly_before_any_results(tmp_path):
     with pytest.raises(ConfigError, match="partition.min_partition_size=1000"):
         _run(tmp_path, "partition=dirichlet partition.min_partition_size=1000", nodes=3)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (
+            "strategy=krum",
+            "strategy.num_byzantine=2 needs n >= 2f+3 = 7 valid replies (n=5), but a round samples at most 5",
+        ),
+        (
+            "strategy=multikrum strategy.num_byzantine=1 strategy.num_selected=5",
+            "strategy.num_selected=5 must be <= n - f = 4",
+        ),
+        ("strategy=trimmed_mean strategy.trim_ratio=0.1 strategy.num_byzantine=1", "trims 0 per side"),
+        ("federation.fraction_train=0.5 strategy=median strategy.num_byzantine=2", "n >= 2f+1 = 5"),
+        ("attack=sign_flip attack.num_malicious=6", "attack.num_malicious=6 is invalid: only 5 nodes"),
+    ],
+)
+def test_impossible_cohorts_are_refused_before_training(tmp_path, overrides, words):
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path, overrides, nodes=5)
+    assert words in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_krum_keeps_training_under_attack_and_logs_its_choices(tmp_path):
+    summary = _run(
+        tmp_path,
+        "strategy=krum strategy.num_byzantine=1 attack=sign_flip attack.num_malicious=1 federation.rounds=6 seed=3",
+        nodes=5,
+    )
+    bad = summary["attack"]["malicious_partitions"]
+    assert len(bad) == 1
+    for row in _rows(summary):
+        robust = row["robust"]
+        assert len(robust["selected"]) == 1 and len(robust["excluded"]) == 4
+        assert set(robust["scores"]) == {str(n) for n in row["node_partitions"]}
+        malicious_node = next(n for n, p in row["node_partitions"].items() if p in bad)
+        assert int(malicious_node) not in robust["selected"]
+    assert summary["final_accuracy"] > 0.6  # FedAvg under this attack ends near chance (0.1)

@@ -1,0 +1,162 @@
+"""Krum, Multi-Krum, median and trimmed mean against Flower and NumPy closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_reply
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
+from flwr.serverapp.strategy.multikrum import select_multikrum
+
+from app.local_grid import InProcessGrid
+from strategies.coordinatewise import CoordinateMedian, TrimmedMean
+from strategies.krum import Krum, MultiKrum
+from strategies.robust_ops import coordinatewise, krum_scores, squared_distances, update_gram
+from strategies.tensor_ops import record_to_tensors
+
+CPU = torch.device("cpu")
+
+
+def _setup(rng, n: int, outliers: dict[int, float], counts=None, counters_differ: bool = True):
+    """A global model and n replies; `outliers` maps client index -> update scale.
+
+    Integer buffers (BatchNorm's num_batches_tracked) are counters, not weights: our
+    distances leave them out, Flower's include them. `counters_differ=False` keeps
+    them equal so both see the same geometry.
+    """
+    global_model = {
+        "conv.weight": rng.normal(size=(6, 3, 3, 3)).astype(np.float32),
+        "fc.weight": rng.normal(size=(10, 6)).astype(np.float32),
+        "bn.num_batches_tracked": np.array(5, dtype=np.int64),
+    }
+    models = []
+    for i in range(n):
+        scale = outliers.get(i, 0.1)
+        models.append(
+            {
+                k: (v + scale * rng.normal(size=v.shape).astype(np.float32))
+                if v.dtype == np.float32
+                else np.asarray(v + i * counters_differ)
+                for k, v in global_model.items()
+            }
+        )
+    counts = counts or [int(c) for c in rng.integers(5, 50, n)]
+    replies = [make_reply(100 + i, m, {"num-examples": c}) for i, (m, c) in enumerate(zip(models, counts, strict=True))]
+    return global_model, models, replies, counts
+
+
+def _configure(strategy, global_model, n: int):
+    grid = InProcessGrid(lambda m, c: m, num_nodes=n)
+    record = ArrayRecord({k: Array(v) for k, v in global_model.items()})
+    strategy.min_available_nodes = strategy.min_train_nodes = n
+    strategy.configure_train(1, record, ConfigRecord(), grid)
+    return record
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("m", [1, 4])
+def test_krum_selects_what_flower_selects(seed, m):
+    rng = np.random.default_rng(seed)
+    n = 11
+    global_model, _, replies, _ = _setup(rng, n, outliers={2: 5.0, 7: 3.0}, counters_differ=False)
+    strategy = Krum(num_byzantine=2) if m == 1 else MultiKrum(num_byzantine=2, num_selected=m)
+    _configure(strategy, global_model, n)
+    ours, _ = strategy.aggregate_train(1, replies)
+    flower_selected = select_multikrum([r.content for r in replies], num_malicious_nodes=2, num_nodes_to_select=m)
+    flower_nodes = sorted(replies[[r.content for r in replies].index(c)].metadata.src_node_id for c in flower_selected)
+    assert sorted(strategy.train_report.accepted) == flower_nodes
+    assert 102 not in strategy.train_report.accepted and 107 not in strategy.train_report.accepted
+    assert set(strategy.train_report.scores) == {100 + i for i in range(n)}
+    flower_arrays, _ = FlowerMultiKrum(num_malicious_nodes=2, num_nodes_to_select=m).aggregate_train(1, replies)
+    for key in ("conv.weight", "fc.weight"):
+        np.testing.assert_allclose(ours[key].numpy(), flower_arrays[key].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gram_and_distances_equal_the_closed_form_with_per_client_bases():
+    rng = np.random.default_rng(3)
+    models = [{"a": torch.from_numpy(rng.normal(size=(5, 7)).astype(np.float32))} for _ in range(4)]
+    bases = [{"a": torch.from_numpy(rng.normal(size=(5, 7)).astype(np.float32))} for _ in range(4)]
+    gram = update_gram(models, bases, CPU, block_bytes=4 * 4 * 8)  # forces several blocks
+    flat = np.stack([(m["a"] - b["a"]).numpy().astype(np.float64).ravel() for m, b in zip(models, bases, strict=True)])
+    np.testing.assert_allclose(gram.numpy(), flat @ flat.T, rtol=1e-5)
+    dist = squared_distances(gram).numpy()
+    expected = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_allclose(dist, expected, rtol=1e-5, atol=1e-6)
+    scores = krum_scores(squared_distances(gram), num_byzantine=0)  # n - f - 2 = 2 nearest
+    expected_scores = [np.sort(np.delete(expected[i], i))[:2].sum() for i in range(4)]
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [7, 8])
+def test_median_and_trimmed_mean_equal_numpy(n):
+    rng = np.random.default_rng(n)
+    global_model, models, replies, _ = _setup(rng, n, outliers={0: 50.0})
+    for strategy, trim in ((CoordinateMedian(), None), (TrimmedMean(trim_ratio=0.2), int(0.2 * n))):
+        _configure(strategy, global_model, n)
+        ours, _ = strategy.aggregate_train(1, replies)
+        for key in ("conv.weight", "fc.weight"):
+            updates = np.stack([m[key] - global_model[key] for m in models])
+            if trim is None:
+                agg = np.median(updates, axis=0)
+            else:
+                agg = np.sort(updates, axis=0)[trim : n - trim].mean(axis=0)
+            np.testing.assert_allclose(ours[key].numpy(), global_model[key] + agg, rtol=1e-5, atol=1e-6)
+        counters = np.array([m["bn.num_batches_tracked"] for m in models], dtype=np.float64)
+        expected = np.median(counters) if trim is None else np.sort(counters)[trim : n - trim].mean()
+        assert int(ours["bn.num_batches_tracked"].numpy()) == int(np.round(expected))
+
+
+def test_coordinatewise_refuses_to_trim_everything():
+    models = [{"a": torch.zeros(3)} for _ in range(4)]
+    with pytest.raises(ValueError, match="leaves nothing"):
+        coordinatewise(models, models, trim=2, device=CPU)
+
+
+def test_nan_update_is_rejected_through_the_gram_diagonal():
+    rng = np.random.default_rng(5)
+    global_model, models, replies, _ = _setup(rng, 8, outliers={})
+    models[3]["fc.weight"][0, 0] = np.nan
+    replies[3] = make_reply(103, models[3], {"num-examples": 10})
+    strategy = Krum(num_byzantine=1)
+    _configure(strategy, global_model, 8)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None and np.isfinite(arrays["fc.weight"].numpy()).all()
+    assert [r.node_id for r in strategy.train_report.rejected] == [103]
+    assert 103 not in strategy.train_report.scores
+
+
+@pytest.mark.parametrize("policy", ["skip", "fallback"])
+def test_too_few_valid_replies_apply_the_policy(policy):
+    rng = np.random.default_rng(6)
+    global_model, models, replies, _ = _setup(rng, 7, outliers={})
+    broken = [make_reply(100 + i, None, None, error="node vanished") for i in range(4)]
+    valid = replies[4:]  # 3 valid replies < 2f + 3 = 7
+    strategy = Krum(num_byzantine=2, on_too_few=policy)
+    _configure(strategy, global_model, 7)
+    arrays, _ = strategy.aggregate_train(1, broken + valid)
+    if policy == "skip":
+        assert arrays is None and strategy.train_report.policy == "skip"
+        return
+    assert strategy.train_report.policy == "fallback-median"
+    for key in ("conv.weight", "fc.weight"):
+        expected = np.median(np.stack([m[key] for m in models[4:]]), axis=0)
+        np.testing.assert_allclose(arrays[key].numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cohort_problems_are_reported_before_training():
+    assert "n >= 2f+3 = 7" in Krum(num_byzantine=2).cohort_problem(6)
+    assert Krum(num_byzantine=2).cohort_problem(7) is None
+    assert "num_selected=6 must be <= n - f = 5" in MultiKrum(num_byzantine=2, num_selected=6).cohort_problem(7)
+    assert "n >= 2f+1 = 5" in CoordinateMedian(num_byzantine=2).cohort_problem(4)
+    assert "fewer than strategy.num_byzantine=2" in TrimmedMean(trim_ratio=0.1, num_byzantine=2).cohort_problem(10)
+    assert TrimmedMean(trim_ratio=0.2, num_byzantine=2).cohort_problem(10) is None
+
+
+def test_views_of_the_global_model_are_the_bases():
+    rng = np.random.default_rng(7)
+    global_model, _, _, _ = _setup(rng, 3, outliers={})
+    strategy = CoordinateMedian()
+    record = _configure(strategy, global_model, 3)
+    assert all(torch.equal(strategy._global[k], record_to_tensors(record)[k]) for k in global_model)
