@@ -57,12 +57,7 @@ class TrimmedMean(CoordinateMedian):
 
     def summary(self) -> None:
         super().summary()
-        log.info(
-            "TrimmedMean: trim_ratio %.3f, f=%d, too few replies -> %s",
-            self.trim_ratio,
-            self.num_byzantine,
-            self.on_too_few,
-        )
+        log.info("TrimmedMean: trims floor(%.3f * n) updates at each end of every coordinate", self.trim_ratio)
 
     def trim(self, n: int) -> int:
         return math.floor(self.trim_ratio * n)

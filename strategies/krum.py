@@ -39,13 +39,7 @@ class MultiKrum(RobustStrategy):
 
     def summary(self) -> None:
         super().summary()
-        log.info(
-            "%s: f=%d Byzantine clients tolerated, m=%d selected, too few replies -> %s",
-            type(self).__name__,
-            self.num_byzantine,
-            self.num_selected,
-            self.on_too_few,
-        )
+        log.info("%s: averages the m=%d best-scored updates", type(self).__name__, self.num_selected)
 
     def too_few(self, n: int) -> str | None:
         f, m = self.num_byzantine, self.num_selected

@@ -36,6 +36,15 @@ class RobustStrategy(FedAvg):
         self.num_byzantine = num_byzantine
         self.on_too_few = on_too_few
 
+    def summary(self) -> None:
+        super().summary()
+        log.info(
+            "%s: tolerates f=%d Byzantine clients; too few valid replies -> %s",
+            type(self).__name__,
+            self.num_byzantine,
+            self.on_too_few,
+        )
+
     @abstractmethod
     def too_few(self, n: int) -> str | None:
         """Why n valid replies are not enough for this rule (None when they are)."""
