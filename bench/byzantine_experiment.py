@@ -38,12 +38,13 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
     strategy, attack, rounds, nodes, seed, out_root = job
     import torch
 
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
     from app.client_app import app as client_app
     from app.config import load_config
     from app.federated_run import run_federation
     from app.local_grid import InProcessGrid
+
+    torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # after the imports: flwr sets it on import
 
     attack_overrides = f"attack={attack}" + ("" if attack == "none" else " attack.num_malicious=2")
     overrides = f"{STRATEGIES[strategy]} {attack_overrides} federation.rounds={rounds} seed={seed} name={strategy}-{attack}"
