@@ -175,7 +175,7 @@ class FedAvg(Strategy):
                 log.warning("round %d: no valid training reply; keeping the previous global model", server_round)
             return None, None
         used = [r for r in screened.valid if r.node_id in report.accepted]
-        return tensors_to_record(new), weighted_metrics(used)
+        return tensors_to_record(new, consume=True), weighted_metrics(used)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         screened = screen_replies(replies, None)

@@ -10,6 +10,7 @@ the received arrays is one model-sized output plus one block (plus n x n scalars
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -43,6 +44,40 @@ def fill_update_block(
     return out
 
 
+def _scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """A float32 rows x cols work buffer whose memory is gone once the tensor is.
+
+    On the CPU it is an anonymous mmap: a buffer of a few MiB freed through malloc
+    stays in the process's heap, so the block would still be resident while the
+    output model is built; unmapped, the peak stays one block or one output.
+    """
+    if device.type != "cpu" or rows * cols == 0:
+        return torch.empty(rows, cols, dtype=torch.float32, device=device)
+    return torch.frombuffer(mmap.mmap(-1, rows * cols * 4), dtype=torch.float32).view(rows, cols)
+
+
+def _packed_blocks(sizes: Sequence[int], block: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Cut the concatenation of tensors of `sizes` into blocks of at most `block` values.
+
+    Each block is a list of (tensor index, start, end, column offset in the block):
+    small tensors (biases, norms) share a block instead of costing a matrix product each.
+    """
+    parts: list[tuple[int, int, int, int]] = []
+    filled = 0
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(size - start, block - filled)
+            parts.append((index, start, start + take, filled))
+            start += take
+            filled += take
+            if filled == block:
+                yield parts
+                parts, filled = [], 0
+    if parts:
+        yield parts
+
+
 def update_gram(
     models: Sequence[TensorDict],
     bases: Sequence[TensorDict],
@@ -51,20 +86,44 @@ def update_gram(
 ) -> torch.Tensor:
     """G[i, j] = <Δᵢ, Δⱼ> over all floating-point tensors, accumulated in float64.
 
-    Each block is a float32 BLAS matrix product (B Bᵀ); the sum over blocks is float64
-    so large models do not lose the small differences between nearby updates. A
-    non-finite value anywhere in update i makes G[i, i] non-finite and leaves the
-    entries between finite updates untouched: the diagonal doubles as a finiteness
-    check of every update.
+    The floating-point tensors are walked as one concatenated vector, n x block values
+    at a time (small tensors share a block). Each block is a float32 BLAS matrix
+    product (B Bᵀ, into a reused n x n buffer); the sum over blocks is float64 so large
+    models do not lose the small differences between nearby updates. A non-finite
+    value anywhere in update i makes G[i, i] non-finite and leaves the entries between
+    finite updates untouched: the diagonal doubles as a finiteness check of every update.
     """
     n = len(models)
     gram = torch.zeros(n, n, dtype=torch.float64, device=device)
+    keys = float_keys(models[0])
+    if not keys:
+        return gram
     block = _block_elems(n, block_bytes)
-    buf = torch.empty(n, block, dtype=torch.float32, device=device)
-    for key in float_keys(models[0]):
-        for start, end in _blocks(models[0][key].numel(), block):
-            b = fill_update_block(buf[:, : end - start], models, bases, key, start, end)
-            gram += (b @ b.T).double()
+    sizes = [models[0][k].numel() for k in keys]
+    buf = _scratch(n, min(block, sum(sizes)), device)
+    prod = torch.empty(n, n, dtype=torch.float32, device=device)
+
+    def flat(tensors: TensorDict) -> list[torch.Tensor]:
+        return [tensors[k].reshape(-1) for k in keys]
+
+    flat_models = [flat(m) for m in models]
+    flat_bases: dict[int, list[torch.Tensor]] = {}  # a synchronous round has one base for all
+    for b in bases:
+        flat_bases.setdefault(id(b), flat(b))
+    rows = list(zip(flat_models, [flat_bases[id(b)] for b in bases], strict=True))
+    on_device = all(t.device == device for model, base in rows for t in model + base)
+    for parts in _packed_blocks(sizes, block):
+        width = parts[-1][3] + parts[-1][2] - parts[-1][1]
+        b = buf[:, :width]
+        for i, (model, base) in enumerate(rows):
+            row = b[i]
+            for index, start, end, col in parts:
+                m, g = model[index][start:end], base[index][start:end]
+                if not on_device:
+                    m, g = m.to(device, non_blocking=True), g.to(device, non_blocking=True)
+                torch.sub(m, g, out=row[col : col + end - start])
+        torch.mm(b, b.T, out=prod)
+        gram += prod
     return gram
 
 
