@@ -48,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from machine import cpu_model  # bench/machine.py (bench/ is on sys.path when run as a script)
+
 # Make `import app` work when run as `python bench/train_throughput.py` from the repo root
 # even without the editable install.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,16 +73,6 @@ GOAL_RATIO = 0.97
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(device: torch.device) -> dict[str, object]:
