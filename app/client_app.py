@@ -78,6 +78,7 @@ class Job:
 
     record: dict
     settings: ClientSettings
+    spec: DataSpec
     precision: Precision
     train_data: ImageTensors
     val_data: ImageTensors
@@ -91,7 +92,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    return Job(record, settings, precision, train_data, val_data, prepare_model(model, precision))
+    return Job(record, settings, spec, precision, train_data, val_data, prepare_model(model, precision))
 
 
 def partition_of(context: Context) -> int | None:
@@ -110,7 +111,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     malicious = is_malicious(attack, settings.seed, partition, int(context.node_config.get("num-partitions", 1)))
     train_data = job.train_data
     if malicious and attack.name == "label_flip":
-        train_data = ImageTensors(train_data.x, flip_labels(train_data.y, spec_from_record(job.record).num_classes))
+        train_data = ImageTensors(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         stats = train(job.model, train_data, settings.train, job.precision, seed)

@@ -17,6 +17,12 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 
+def act_as_server() -> None:
+    """Give this process the task identity Flower's runtime would set for a ServerApp,
+    so Messages can be built outside a real run (tests, sweeps, benchmarks)."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+
+
 class InProcessGrid(Grid):
     def __init__(
         self,
@@ -26,7 +32,7 @@ class InProcessGrid(Grid):
     ) -> None:
         # Messages take run and node ids from the process's task identity (set by
         # Flower's runtime in a real run).
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+        act_as_server()
         self.client_app = client_app
         self.tamper = tamper  # lets a test rewrite one node's reply (malformed / malicious)
         self.contexts = {

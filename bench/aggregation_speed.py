@@ -101,14 +101,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
-from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: E402
 from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum  # noqa: E402
 from flwr.serverapp.strategy.multikrum import select_multikrum  # noqa: E402
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from app.config import ModelConfig  # noqa: E402
 from app.data import DataSpec  # noqa: E402
+from app.local_grid import act_as_server  # noqa: E402
 from app.models import build_model  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
 from strategies.krum import Krum, MultiKrum  # noqa: E402
@@ -117,7 +116,7 @@ from strategies.robust_ops import DEFAULT_BLOCK_BYTES  # noqa: E402
 from strategies.tensor_ops import record_to_tensors  # noqa: E402
 
 # Replies are built outside a Flower runtime: Message() needs a task identity.
-TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+act_as_server()
 
 NUM_BYZANTINE = 2
 MULTI_M = 4

@@ -191,21 +191,6 @@ def coordinatewise(
     return out
 
 
-def mean_update(
-    models: Sequence[TensorDict], bases: Sequence[TensorDict], weights: Sequence[float], device: torch.device
-) -> TensorDict:
-    """Σ wᵢ(modelᵢ − baseᵢ) / Σ wᵢ, in float (float64 for integer tensors)."""
-    total = float(sum(weights))
-    out: TensorDict = {}
-    for key, ref in models[0].items():
-        acc = torch.zeros(ref.shape, dtype=torch.float32 if ref.is_floating_point() else torch.float64, device=device)
-        for model, base, w in zip(models, bases, weights, strict=True):
-            acc.add_(model[key].to(device, non_blocking=True), alpha=w / total)
-            acc.sub_(base[key].to(device, non_blocking=True), alpha=w / total)
-        out[key] = acc
-    return out
-
-
 def apply_update(base: TensorDict, update: TensorDict) -> TensorDict:
     """base + update, back in base's dtypes (integer tensors rounded)."""
     out: TensorDict = {}

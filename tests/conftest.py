@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.task_identity import TaskIdentity
+
+from app.local_grid import act_as_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+act_as_server()
 
 
 def make_reply(
