@@ -32,6 +32,7 @@ from app.data import (
     split_validation,
 )
 from app.models import build_model
+from app.stragglers import slow_down
 from app.telemetry import GpuTelemetry
 from app.training import Precision, evaluate, prepare_model, resolve_device, resolve_precision, train
 
@@ -67,9 +68,14 @@ def node_data(context: Context, settings: ClientSettings, spec: DataSpec) -> tup
     return _node_data(settings, node_key, spec)
 
 
-def client_seed(seed: int, server_round: int, partition_id: int) -> int:
-    """Per node and round, reproducible: same seed, round and partition give the same shuffle."""
-    return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
+def client_seed(seed: int, server_round: int, partition_id: int, task: int = 0) -> int:
+    """Per node and round, reproducible: same seed, round and partition give the same shuffle.
+
+    Asynchronous strategies number their tasks (`task`): a node that trains twice on
+    one model version must not repeat the same batches.
+    """
+    entropy = [seed, server_round, partition_id] + ([task] if task else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 @dataclass
@@ -106,7 +112,9 @@ def train_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     settings, attack = job.settings, job.settings.attack
     partition = partition_of(context)
-    seed = client_seed(settings.seed, int(job.record.get("server-round", 0)), partition or 0)
+    seed = client_seed(
+        settings.seed, int(job.record.get("server-round", 0)), partition or 0, int(job.record.get("task", 0))
+    )
     torch.manual_seed(seed)
     malicious = is_malicious(attack, settings.seed, partition, int(context.node_config.get("num-partitions", 1)))
     train_data = job.train_data
@@ -115,6 +123,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         stats = train(job.model, train_data, settings.train, job.precision, seed)
+    delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int] = {
         "num-examples": stats.num_examples,
         "train-loss": stats.loss,
@@ -122,6 +131,7 @@ def train_handler(msg: Message, context: Context) -> Message:
         "samples-per-s": stats.samples_per_s,
         "wall-time-s": stats.wall_time_s,
         "steps": stats.steps,
+        "straggler-delay-s": delay,
         **telemetry.metrics(),
     }
     if stats.peak_gpu_mem_mb is not None:

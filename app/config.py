@@ -19,9 +19,14 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from strategies.staleness import STALENESS_FUNCTIONS
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
-STRATEGIES = ("fedavg", "krum", "multikrum", "median", "trimmed_mean")
+STRATEGIES = ("fedavg", "krum", "multikrum", "median", "trimmed_mean", "fedbuff")
+ROBUST_RULES = ("krum", "multikrum", "median", "trimmed_mean")
+BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
+STRAGGLERS = ("none", "fixed", "lognormal")
 ROBUST_POLICIES = ("skip", "fallback")
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
@@ -48,6 +53,17 @@ class StrategyConfig:
     num_selected: int = 1  # m, Multi-Krum's selected updates
     trim_ratio: float = 0.1  # trimmed mean: fraction trimmed from each end
     on_too_few: str = "skip"  # skip | fallback (to the median) when too few valid replies
+    # FedBuff (asynchronous):
+    buffer_size: int = 3  # K: updates per server step
+    concurrency: int = 0  # nodes training at once; 0 = every connected node
+    max_staleness: int = 10  # updates older than this many versions are discarded
+    staleness_fn: str = "polynomial"  # constant | polynomial | hinge
+    staleness_a: float = 0.5
+    staleness_b: float = 4.0  # hinge: no discount up to b versions
+    server_lr: float = 1.0  # η
+    server_momentum: float = 0.0  # β
+    buffer_aggregator: str = "mean"  # mean | krum | multikrum | median | trimmed_mean
+    eval_every: int = 1  # central evaluation every N versions (and always at the end)
 
 
 @dataclass(unsafe_hash=True)
@@ -95,6 +111,14 @@ class AttackConfig:
     scale: float = 1.0
 
 
+@dataclass
+class StragglersConfig:
+    name: str = "none"
+    factors: list[float] = field(default_factory=list)  # fixed: slowdown of partition 0, 1, ... (rest 1.0)
+    sigma: float = 1.0  # lognormal: slowdown max(1, exp(sigma * z)), z ~ N(0, 1) per node, seeded
+    dropout: float = 0.0  # probability that a training task crashes part way
+
+
 @dataclass(unsafe_hash=True)
 class FederationConfig:
     rounds: int = 10
@@ -106,6 +130,8 @@ class FederationConfig:
     round_timeout_s: float = 600.0
     message_ttl_s: float = 3600.0
     node_wait_timeout_s: float = 600.0
+    max_wall_time_s: float = 0.0  # stop after this many seconds of training; 0 = no limit
+    target_accuracy: float = 0.0  # stop once central accuracy reaches this; 0 = never
 
 
 @dataclass
@@ -117,6 +143,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     seed: int = 42
     name: str | None = None
     resume: str | None = None
@@ -197,6 +224,22 @@ def validate(cfg: Config) -> Config:
         "must be in [0, 0.5): 0.5 or more trims everything",
     )
     _one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
+    _validate_fedbuff(s)
+    if s.name == "fedbuff":
+        _require(
+            cfg.federation.fraction_evaluate == 0,
+            "federation.fraction_evaluate",
+            cfg.federation.fraction_evaluate,
+            "strategy=fedbuff evaluates centrally every strategy.eval_every versions; set it to 0",
+        )
+
+    g = cfg.stragglers
+    _one_of("stragglers.name", g.name, STRAGGLERS)
+    _require(all(x >= 1 for x in g.factors), "stragglers.factors", g.factors, "slowdowns must be >= 1 (1 = full speed)")
+    if g.name == "fixed":
+        _require(bool(g.factors), "stragglers.factors", g.factors, "stragglers=fixed needs a list, e.g. [5,5,5]")
+    _require(g.sigma >= 0, "stragglers.sigma", g.sigma, "must be >= 0")
+    _require(0 <= g.dropout < 1, "stragglers.dropout", g.dropout, "must be in [0, 1)")
 
     a = cfg.attack
     _one_of("attack.name", a.name, ATTACKS)
@@ -259,6 +302,11 @@ def validate(cfg: Config) -> Config:
         f"must be >= federation.round_timeout_s ({f.round_timeout_s}) or messages expire mid-round",
     )
 
+    _require(f.max_wall_time_s >= 0, "federation.max_wall_time_s", f.max_wall_time_s, "must be >= 0 (0 = no limit)")
+    _require(
+        0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
+    )
+
     _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
     if cfg.resume is not None:
         _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file")
@@ -269,6 +317,19 @@ def validate(cfg: Config) -> Config:
         "allowed: auto, cpu, cuda, cuda:N",
     )
     return cfg
+
+
+def _validate_fedbuff(s: StrategyConfig) -> None:
+    _require(s.buffer_size >= 1, "strategy.buffer_size", s.buffer_size, "must be >= 1")
+    _require(s.concurrency >= 0, "strategy.concurrency", s.concurrency, "must be >= 0 (0 = every connected node)")
+    _require(s.max_staleness >= 0, "strategy.max_staleness", s.max_staleness, "must be >= 0")
+    _one_of("strategy.staleness_fn", s.staleness_fn, STALENESS_FUNCTIONS)
+    _require(s.staleness_a >= 0, "strategy.staleness_a", s.staleness_a, "must be >= 0 (< 0 favours stale updates)")
+    _require(s.staleness_b >= 0, "strategy.staleness_b", s.staleness_b, "must be >= 0")
+    _require(s.server_lr > 0, "strategy.server_lr", s.server_lr, "must be > 0")
+    _require(0 <= s.server_momentum < 1, "strategy.server_momentum", s.server_momentum, "must be in [0, 1)")
+    _one_of("strategy.buffer_aggregator", s.buffer_aggregator, BUFFER_AGGREGATORS)
+    _require(s.eval_every >= 1, "strategy.eval_every", s.eval_every, "must be >= 1")
 
 
 def load_config(overrides: str | list[str] = "") -> tuple[Config, DictConfig]:

@@ -1,8 +1,10 @@
-"""The synchronous round loop behind the ServerApp, with results and checkpoints.
+"""The run behind the ServerApp: set-up, the synchronous round loop or FedBuff's
+asynchronous one, results, checkpoints and stopping rules.
 
-Flower's `Strategy.start` cannot resume from a round or write a checkpoint between
-rounds, so the loop lives here; it drives any strategy through the same
-configure/aggregate calls.
+Flower's `Strategy.start` cannot resume from a round, write a checkpoint between
+rounds or stop at a target accuracy, so the loops live here; the synchronous one
+drives any strategy through the same configure/aggregate calls, the asynchronous one
+hands FedBuff a callback for every server update.
 """
 
 from __future__ import annotations
@@ -21,20 +23,34 @@ from omegaconf import DictConfig
 
 from app.attacks import malicious_partitions
 from app.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.config import STRATEGIES, Config, ConfigError, to_client_record
+from app.config import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig, to_client_record
 from app.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.models import build_model
 from app.results import RunRecorder, new_run_dir
+from app.stragglers import client_record, straggler_factors
 from app.training import evaluate, resolve_device, resolve_precision
 from strategies.coordinatewise import CoordinateMedian, TrimmedMean
 from strategies.fedavg import FedAvg
+from strategies.fedbuff import FedBuff, VersionReport
 from strategies.krum import Krum, MultiKrum
 from strategies.robust import RobustStrategy
+from strategies.staleness import staleness_fn
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
-def build_strategy(cfg: Config, device: torch.device) -> FedAvg:
+def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> RobustStrategy:
+    robust = {**common, "num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few}
+    if name == "krum":
+        return Krum(**robust)
+    if name == "multikrum":
+        return MultiKrum(num_selected=st.num_selected, **robust)
+    if name == "median":
+        return CoordinateMedian(**robust)
+    return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
+
+
+def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
     """The configured strategy; robust ones get f, m, the trim ratio and the too-few policy."""
     f, st = cfg.federation, cfg.strategy
     common = {
@@ -46,24 +62,43 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg:
         "message_ttl_s": f.message_ttl_s,
         "device": device,
     }
-    robust = {**common, "num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few}
     if st.name == "fedavg":
         return FedAvg(**common)
-    if st.name == "krum":
-        return Krum(**robust)
-    if st.name == "multikrum":
-        return MultiKrum(num_selected=st.num_selected, **robust)
-    if st.name == "median":
-        return CoordinateMedian(**robust)
-    if st.name == "trimmed_mean":
-        return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
+    if st.name in ROBUST_RULES:
+        return _robust_rule(st.name, st, common)
+    if st.name == "fedbuff":
+        rule = None if st.buffer_aggregator == "mean" else _robust_rule(st.buffer_aggregator, st, common)
+        if rule is not None and (problem := rule.too_few(st.buffer_size)):
+            raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
+        return FedBuff(
+            buffer_size=st.buffer_size,
+            concurrency=st.concurrency,
+            max_staleness=st.max_staleness,
+            staleness=staleness_fn(st.staleness_fn, st.staleness_a, st.staleness_b),
+            staleness_name=st.staleness_fn,
+            server_lr=st.server_lr,
+            server_momentum=st.server_momentum,
+            buffer_rule=rule,
+            min_available_nodes=f.min_available_nodes,
+            # One training task may take round_timeout_s; its message lives no longer.
+            message_ttl_s=f.round_timeout_s,
+            device=device,
+        )
     raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
 
 
-def check_cohort(cfg: Config, strategy: FedAvg, num_nodes: int) -> int:
+def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> int:
     """Before the first round: can the rounds' cohort ever satisfy the strategy and attack?"""
     f = cfg.federation
-    cohort = min(num_nodes, max(int(num_nodes * f.fraction_train), f.min_train_nodes))
+    if isinstance(strategy, FedBuff):
+        cohort = min(num_nodes, strategy.concurrency or num_nodes)
+        if strategy.buffer_rule is not None and cohort < strategy.buffer_size:
+            raise ConfigError(
+                f"strategy.buffer_size={strategy.buffer_size}: a robust buffer takes one update per node, but only "
+                f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={strategy.concurrency})"
+            )
+    else:
+        cohort = min(num_nodes, max(int(num_nodes * f.fraction_train), f.min_train_nodes))
     if isinstance(strategy, RobustStrategy) and (problem := strategy.cohort_problem(cohort)):
         raise ConfigError(
             f"{problem} ({num_nodes} nodes, federation.fraction_train={f.fraction_train}, "
@@ -112,86 +147,134 @@ def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float) -> list[int]:
     return nodes
 
 
-def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict[str, Any]:
-    """Train for `federation.rounds` rounds (or the rest of them after `resume`)."""
-    started = time.time()
-    device = resolve_device(cfg.server_device)
-    precision = resolve_precision("off", device)
-    train_source, test_source = load_splits(cfg.dataset, cfg.seed)
-    spec = data_spec(train_source, test_source)
-    test_data = materialize(test_source)
+class FederatedRun:
+    """One run: the global model, its strategy, central evaluation, results and checkpoints."""
 
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)  # Flower's node sampling draws from Python's `random`
-    model = build_model(cfg.model, spec)
-    arrays = ArrayRecord(model.state_dict())
-    strategy = build_strategy(cfg, device)
-    first_round, elapsed_before = 1, 0.0
-    nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
-    check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
-    check_cohort(cfg, strategy, len(nodes))
-    if cfg.resume:
-        ckpt = load_checkpoint(cfg.resume)
-        _check_compatible(ckpt, model, cfg.resume)
-        if ckpt.round >= cfg.federation.rounds:
-            raise ConfigError(
-                f"resume={cfg.resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
-            )
-        arrays = ArrayRecord(ckpt.state_dict)
-        strategy.load_state_dict(ckpt.strategy_state)
-        restore_rng(ckpt.rng)
-        first_round, elapsed_before = ckpt.round + 1, ckpt.wall_time_s
-        recorder = RunRecorder(Path(cfg.resume).parent, resumed_after=ckpt.round)
-    else:
-        recorder = RunRecorder(new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name))
-    recorder.save_config(raw)
-    log.info("results: %s", recorder.run_dir)
-    strategy.summary()
-    log.info(
-        "%d nodes, %d train / %d test examples, model %s (%d parameters), rounds %d..%d",
-        len(nodes),
-        len(train_source.labels),
-        len(test_data),
-        cfg.model.name,
-        sum(p.numel() for p in model.parameters()),
-        first_round,
-        cfg.federation.rounds,
-    )
-    attacked = malicious_partitions(cfg.seed, len(nodes), cfg.attack.num_malicious) if cfg.attack.name != "none" else []
-    if attacked:
-        log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, attacked, cfg.attack.scale)
-    client_config = {**to_client_record(cfg), **spec_to_record(spec)}
-    timeout = cfg.federation.round_timeout_s
+    def __init__(self, grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> None:
+        self.started = time.time()
+        self.grid, self.cfg = grid, cfg
+        self.device = resolve_device(cfg.server_device)
+        self.precision = resolve_precision("off", self.device)
+        train_source, test_source = load_splits(cfg.dataset, cfg.seed)
+        spec = data_spec(train_source, test_source)
+        self.test_data = materialize(test_source)
 
-    def central_eval(current: ArrayRecord) -> tuple[float, float]:
-        model.load_state_dict(current.to_torch_state_dict())
-        return evaluate(model.to(device), test_data, precision)
-
-    status = "failed"
-    try:
-        for rnd in range(first_round, cfg.federation.rounds + 1):
-            t0 = time.time()
-            replies = list(
-                grid.send_and_receive(
-                    strategy.configure_train(rnd, arrays, ConfigRecord(client_config), grid), timeout=timeout
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
+        self.model = build_model(cfg.model, spec)
+        self.arrays = ArrayRecord(self.model.state_dict())
+        self.strategy = build_strategy(cfg, self.device)
+        self.first_round, self.elapsed_before = 1, 0.0
+        self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
+        check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
+        check_cohort(cfg, self.strategy, len(self.nodes))
+        if cfg.resume:
+            ckpt = load_checkpoint(cfg.resume)
+            _check_compatible(ckpt, self.model, cfg.resume)
+            if ckpt.round >= cfg.federation.rounds:
+                raise ConfigError(
+                    f"resume={cfg.resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
                 )
+            self.arrays = ArrayRecord(ckpt.state_dict)
+            self.strategy.load_state_dict(ckpt.strategy_state)
+            restore_rng(ckpt.rng)
+            self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
+            self.recorder = RunRecorder(Path(cfg.resume).parent, resumed_after=ckpt.round)
+        else:
+            self.recorder = RunRecorder(new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name))
+        self.recorder.save_config(raw)
+        log.info("results: %s", self.recorder.run_dir)
+        self.strategy.summary()
+        log.info(
+            "%d nodes, %d train / %d test examples, model %s (%d parameters), %s %d..%d",
+            len(self.nodes),
+            len(train_source.labels),
+            len(self.test_data),
+            cfg.model.name,
+            sum(p.numel() for p in self.model.parameters()),
+            "versions" if isinstance(self.strategy, FedBuff) else "rounds",
+            self.first_round,
+            cfg.federation.rounds,
+        )
+        self.attacked = (
+            malicious_partitions(cfg.seed, len(self.nodes), cfg.attack.num_malicious)
+            if cfg.attack.name != "none"
+            else []
+        )
+        if self.attacked:
+            log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, self.attacked, cfg.attack.scale)
+        self.slowdowns = straggler_factors(cfg.stragglers, len(self.nodes), cfg.seed)
+        if cfg.stragglers.name != "none":
+            log.info(
+                "stragglers %s: slowdown per partition %s, dropout %g",
+                cfg.stragglers.name,
+                [round(x, 2) for x in self.slowdowns],
+                cfg.stragglers.dropout,
+            )
+        self.client_config = {
+            **to_client_record(cfg),
+            **spec_to_record(spec),
+            **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
+        }
+        self.stop_reason = "rounds"
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.started
+
+    def central_eval(self, arrays: ArrayRecord) -> tuple[float, float]:
+        self.model.load_state_dict(arrays.to_torch_state_dict())
+        return evaluate(self.model.to(self.device), self.test_data, self.precision)
+
+    def should_stop(self, rnd: int, accuracy: float | None) -> bool:
+        """Rounds done, target accuracy reached or wall-clock budget spent (sets stop_reason)."""
+        f = self.cfg.federation
+        if f.target_accuracy and accuracy is not None and accuracy >= f.target_accuracy:
+            self.stop_reason = f"target accuracy {f.target_accuracy} reached"
+        elif f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s:
+            self.stop_reason = f"wall-clock budget {f.max_wall_time_s:.0f} s spent"
+        elif rnd >= f.rounds:
+            self.stop_reason = "rounds"
+        else:
+            return False
+        if self.stop_reason != "rounds":
+            log.info("stopping after round %d: %s", rnd, self.stop_reason)
+        return True
+
+    def finish_round(self, rnd: int, row: dict[str, Any]) -> None:
+        self.recorder.log_round(row)
+        save_checkpoint(
+            self.recorder.checkpoint_path,
+            Checkpoint(
+                self.arrays.to_torch_state_dict(), rnd, self.strategy.state_dict(), capture_rng(), row["wall_time_s"]
+            ),
+        )
+
+    # --- synchronous rounds ------------------------------------------------------
+    def run_rounds(self) -> None:
+        strategy, grid, cfg = self.strategy, self.grid, self.cfg
+        assert isinstance(strategy, FedAvg)
+        timeout = cfg.federation.round_timeout_s
+        for rnd in range(self.first_round, cfg.federation.rounds + 1):
+            t0 = time.time()
+            config = ConfigRecord(self.client_config)
+            replies = list(
+                grid.send_and_receive(strategy.configure_train(rnd, self.arrays, config, grid), timeout=timeout)
             )
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             report = strategy.train_report
             if new_arrays is not None:
-                arrays = new_arrays
+                self.arrays = new_arrays
             fed_eval: MetricRecord | None = None
             if cfg.federation.fraction_evaluate > 0:
-                eval_msgs = strategy.configure_evaluate(rnd, arrays, ConfigRecord(client_config), grid)
+                eval_msgs = strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid)
                 fed_eval = strategy.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
-            loss, acc = central_eval(arrays)
-            now = time.time()
+            loss, acc = self.central_eval(self.arrays)
             row = {
                 "round": rnd,
                 "accuracy": acc,
                 "loss": loss,
-                "wall_time_s": elapsed_before + now - started,
-                "round_time_s": now - t0,
+                "wall_time_s": self.elapsed(),
+                "round_time_s": time.time() - t0,
                 "num_sampled": report.sampled,
                 "num_clients": len(report.accepted),
                 "num_rejected": len(report.rejected),
@@ -203,11 +286,7 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
                 "train": dict(train_metrics) if train_metrics else {},
                 "federated_eval": dict(fed_eval) if fed_eval else {},
             }
-            recorder.log_round(row)
-            save_checkpoint(
-                recorder.checkpoint_path,
-                Checkpoint(arrays.to_torch_state_dict(), rnd, strategy.state_dict(), capture_rng(), row["wall_time_s"]),
-            )
+            self.finish_round(rnd, row)
             log.info(
                 "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
                 rnd,
@@ -219,21 +298,107 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
                 row["num_rejected"],
                 f"  missing {row['num_missing']}" if row["num_missing"] else "",
             )
-        status = "completed"
-    finally:
-        torch.save(arrays.to_torch_state_dict(), recorder.final_model_path)
-        summary = recorder.finish(
-            status,
-            elapsed_before + time.time() - started,
-            {
+            if self.should_stop(rnd, acc):
+                break
+
+    # --- asynchronous versions (FedBuff) ---------------------------------------------
+    def run_versions(self) -> None:
+        strategy, cfg = self.strategy, self.cfg
+        assert isinstance(strategy, FedBuff)
+        last = time.time()
+
+        def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
+            nonlocal last
+            self.arrays = arrays
+            v = report.version
+            budget = cfg.federation.max_wall_time_s
+            evaluate_now = (
+                v % cfg.strategy.eval_every == 0
+                or v >= cfg.federation.rounds
+                or bool(budget and self.elapsed() >= budget)
+            )
+            loss, acc = self.central_eval(arrays) if evaluate_now else (None, None)
+            now = time.time()
+            row = {
+                "round": v,
+                "version": v,
+                "accuracy": acc,
+                "loss": loss,
+                "wall_time_s": self.elapsed(),
+                "round_time_s": now - last,
+                "num_clients": len(report.applied),
+                "staleness": [u["staleness"] for u in report.applied],
+                "applied": report.applied,
+                "num_discarded_stale": report.discarded_stale,
+                "num_rejected": len(report.rejected),
+                "num_failed": len(report.failed),
+                "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
+                "failed": [{"node_id": r.node_id, "reason": r.reason} for r in report.failed],
+                "robust": report.robust,
+                "tasks_sent": strategy.tasks_sent,
+                "train": dict(report.metrics) if report.metrics else {},
+            }
+            last = now
+            self.finish_round(v, row)
+            log.info(
+                "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
+                v,
+                cfg.federation.rounds,
+                f"accuracy {acc:.4f}  loss {loss:.4f}" if acc is not None else "(not evaluated)",
+                row["round_time_s"],
+                row["staleness"],
+                report.discarded_stale,
+                len(report.rejected),
+                len(report.failed),
+            )
+            return self.should_stop(v, acc)
+
+        budget = cfg.federation.max_wall_time_s
+        deadline = time.monotonic() + budget - self.elapsed() if budget else None
+        self.arrays = strategy.run(
+            self.grid,
+            self.arrays,
+            ConfigRecord(self.client_config),
+            on_version,
+            first_version=self.first_round - 1,
+            deadline=deadline,
+        )
+        if deadline is not None and time.monotonic() >= deadline:
+            self.stop_reason = f"wall-clock budget {budget:.0f} s spent"
+
+    def run(self) -> dict[str, Any]:
+        status = "failed"
+        try:
+            if isinstance(self.strategy, FedBuff):
+                self.run_versions()
+            else:
+                self.run_rounds()
+            status = "completed"
+        finally:
+            torch.save(self.arrays.to_torch_state_dict(), self.recorder.final_model_path)
+            cfg = self.cfg
+            extra: dict[str, Any] = {
                 "strategy": cfg.strategy.name,
                 "dataset": cfg.dataset.name,
                 "model": cfg.model.name,
-                "num_nodes": len(nodes),
-                "attack": {**asdict(cfg.attack), "malicious_partitions": attacked},
-                "final_model": str(recorder.final_model_path),
-                "checkpoint": str(recorder.checkpoint_path),
-            },
-        )
-        log.info("run %s: final accuracy %s, results: %s", status, summary["final_accuracy"], recorder.run_dir)
-    return summary
+                "num_nodes": len(self.nodes),
+                "stop_reason": self.stop_reason if status == "completed" else None,
+                "attack": {**asdict(cfg.attack), "malicious_partitions": self.attacked},
+                "stragglers": {**asdict(cfg.stragglers), "slowdown_per_partition": self.slowdowns},
+                "final_model": str(self.recorder.final_model_path),
+                "checkpoint": str(self.recorder.checkpoint_path),
+            }
+            if isinstance(self.strategy, FedBuff):
+                extra["fedbuff"] = {
+                    "versions": self.strategy.version,
+                    "tasks_sent": self.strategy.tasks_sent,
+                    "discarded_stale": self.strategy.discarded_total,
+                }
+            summary = self.recorder.finish(status, self.elapsed(), extra)
+            log.info("run %s: final accuracy %s, results: %s", status, summary["final_accuracy"], self.recorder.run_dir)
+        return summary
+
+
+def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict[str, Any]:
+    """Train for `federation.rounds` rounds or versions (or the rest of them after `resume`)."""
+    return FederatedRun(grid, cfg, raw, root).run()

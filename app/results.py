@@ -115,20 +115,27 @@ class RunRecorder:
         return summary
 
     def plot(self) -> Path:
-        """Accuracy and loss of the global model per round (curves.png)."""
+        """Accuracy per round and per second of wall time, and loss per round (curves.png).
+
+        Rows without an evaluation (FedBuff with strategy.eval_every > 1) are skipped.
+        """
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rounds = [r["round"] for r in self.rows]
-        fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
-        ax_acc.plot(rounds, [r["accuracy"] for r in self.rows], marker="o")
-        ax_acc.set(xlabel="round", ylabel="test accuracy", title="Global model accuracy")
-        ax_acc.grid(alpha=0.3)
-        ax_loss.plot(rounds, [r["loss"] for r in self.rows], marker="o", color="tab:red")
-        ax_loss.set(xlabel="round", ylabel="test loss", title="Global model loss")
-        ax_loss.grid(alpha=0.3)
+        rows = [r for r in self.rows if r.get("accuracy") is not None]
+        unit = "version" if rows and "version" in rows[0] else "round"
+        rounds = [r["round"] for r in rows]
+        fig, (ax_acc, ax_time, ax_loss) = plt.subplots(1, 3, figsize=(15, 4))
+        ax_acc.plot(rounds, [r["accuracy"] for r in rows], marker="o")
+        ax_acc.set(xlabel=unit, ylabel="test accuracy", title="Global model accuracy")
+        ax_time.plot([r["wall_time_s"] for r in rows], [r["accuracy"] for r in rows], marker=".")
+        ax_time.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="Accuracy over time")
+        ax_loss.plot(rounds, [r["loss"] for r in rows], marker="o", color="tab:red")
+        ax_loss.set(xlabel=unit, ylabel="test loss", title="Global model loss")
+        for ax in (ax_acc, ax_time, ax_loss):
+            ax.grid(alpha=0.3)
         fig.suptitle(self.run_dir.name)
         fig.tight_layout()
         path = self.run_dir / "curves.png"

@@ -20,7 +20,14 @@ import torch
 
 from strategies.replies import Screened, reject
 from strategies.robust import RobustStrategy
-from strategies.robust_ops import krum_scores, select_lowest, squared_distances, update_gram
+from strategies.robust_ops import (
+    apply_update,
+    krum_scores,
+    select_lowest,
+    squared_distances,
+    update_gram,
+    weighted_update_mean,
+)
 from strategies.tensor_ops import TensorDict, weighted_mean
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -51,7 +58,8 @@ class MultiKrum(RobustStrategy):
 
     def robust_aggregate(self, server_round: int, screened: Screened) -> TensorDict | None:
         models = [r.arrays for r in screened.valid]
-        gram = update_gram(models, self.bases(screened), self.device)
+        bases = self.bases(screened)
+        gram = update_gram(models, bases, self.device)
         finite = torch.isfinite(gram.diagonal()).tolist()
         if not all(finite):
             keep = [i for i, ok in enumerate(finite) if ok]
@@ -61,6 +69,7 @@ class MultiKrum(RobustStrategy):
             if (reason := self.too_few(len(keep))) is not None:
                 return self.apply_policy(server_round, screened, reason)
             gram = gram[keep][:, keep]
+            bases = [bases[i] for i in keep]
         scores = krum_scores(squared_distances(gram), self.num_byzantine)
         chosen = select_lowest(scores, self.num_selected)
         report = self.train_report
@@ -75,9 +84,15 @@ class MultiKrum(RobustStrategy):
             report.excluded,
             {k: f"{v:.4g}" if math.isfinite(v) else v for k, v in report.scores.items()},
         )
-        # The bases are one global model, so the mean of the selected models is
-        # global + the mean of their updates.
-        return weighted_mean([r.arrays for r in selected], [r.weight for r in selected], self.device)
+        bases = [bases[i] for i in chosen]
+        weights = [r.weight for r in selected]
+        if all(b is self._global for b in bases):
+            # One base (a synchronous round): the mean of the selected models is
+            # global + the mean of their updates, without forming the updates.
+            return weighted_mean([r.arrays for r in selected], weights, self.device)
+        return apply_update(
+            self._global, weighted_update_mean([r.arrays for r in selected], bases, weights, self.device)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "num_byzantine": self.num_byzantine, "num_selected": self.num_selected}

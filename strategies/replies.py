@@ -43,6 +43,8 @@ class ValidReply:
     weight: float
     metrics: MetricRecord
     arrays: TensorDict = field(default_factory=dict)
+    base: TensorDict | None = None  # the model it trained from, when not this round's global (async)
+    staleness: int = 0  # versions the global model moved on while it trained (async)
 
 
 @dataclass

@@ -59,8 +59,9 @@ class RobustStrategy(FedAvg):
         return None if reason is None else f"{reason}, but a round samples at most {cohort} clients"
 
     def bases(self, screened: Screened) -> list[TensorDict]:
-        """The model each reply trained from (in a synchronous round: the one global model)."""
-        return [self._global] * len(screened.valid)
+        """The model each reply trained from: its own version in the asynchronous buffer,
+        the one global model in a synchronous round."""
+        return [self._global if r.base is None else r.base for r in screened.valid]
 
     def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
         self.train_report.excluded, self.train_report.scores, self.train_report.policy = [], {}, None

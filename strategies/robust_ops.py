@@ -191,6 +191,25 @@ def coordinatewise(
     return out
 
 
+def weighted_update_mean(
+    models: Sequence[TensorDict], bases: Sequence[TensorDict], weights: Sequence[float], device: torch.device
+) -> TensorDict:
+    """Σ wᵢ (modelᵢ − baseᵢ) / Σ wᵢ per key: the mean update of replies that trained from
+    different models (the asynchronous buffer). Float32 for floating-point tensors,
+    float64 for integer ones (`apply_update` rounds them back)."""
+    total = float(sum(weights))
+    if not models or len(weights) != len(models) or not total > 0:
+        raise ValueError("weighted_update_mean needs one positive weight per update and at least one update")
+    out: TensorDict = {}
+    for key, ref in models[0].items():
+        dtype = torch.float32 if ref.is_floating_point() else torch.float64
+        acc = torch.zeros(ref.shape, dtype=dtype, device=device)
+        for model, base, w in zip(models, bases, weights, strict=True):
+            acc.add_(model[key].to(device, dtype), alpha=w / total).sub_(base[key].to(device, dtype), alpha=w / total)
+        out[key] = acc
+    return out
+
+
 def apply_update(base: TensorDict, update: TensorDict) -> TensorDict:
     """base + update, back in base's dtypes (integer tensors rounded)."""
     out: TensorDict = {}

@@ -1,0 +1,419 @@
+"""FedBuff: staleness-bounded buffered asynchronous aggregation.
+
+Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation",
+https://arxiv.org/abs/2106.06639. Up to `concurrency` nodes train at once, each on the
+model version it was sent. A reply's update Δ = model − that version is weighted by
+s(τ)·num-examples, τ being how many versions the global model moved on meanwhile,
+and buffered; updates older than `max_staleness` versions are discarded and counted.
+With K updates buffered the server steps: global ← global + η·v, v ← β·v + Σwᵢ Δᵢ / Σwᵢ
+(β = 0: plain FedBuff), and idle nodes get the new version at once. Nobody waits for
+the slowest node.
+
+Optionally the buffer goes through a Byzantine-robust rule (Krum, Multi-Krum,
+median, trimmed mean) instead of the weighted mean: the rules work on updates
+against each one's own base version (`ValidReply.base`), so the staleness bound and
+the robust rule hold together.
+
+Flower's `Strategy.start` is a synchronous round loop; `run` is the asynchronous one,
+built on `grid.push_messages` / `grid.pull_messages`, with at most one message in
+flight per node. Error replies (a ClientApp crash, an expired TTL, a node the
+SuperLink reports unavailable) and replies that never come (a local deadline of TTL +
+grace) free the node and lose nothing but that one task; nodes that join later are
+given work on the next pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from strategies.fedavg import RoundReport
+from strategies.replies import (
+    WEIGHT_KEY,
+    ArraySpec,
+    InvalidReply,
+    Rejection,
+    Screened,
+    ValidReply,
+    screen_reply,
+    specs_of,
+    weighted_metrics,
+)
+from strategies.robust import RobustStrategy
+from strategies.robust_ops import apply_update, weighted_update_mean
+from strategies.staleness import StalenessFn
+from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+
+@dataclass
+class InFlight:
+    """One training task out at a node."""
+
+    node_id: int
+    version: int
+    deadline: float  # time.monotonic() after which the task is given up
+
+
+@dataclass
+class VersionReport:
+    """What went into one server update (one metrics.jsonl row), and what did not."""
+
+    version: int = 0
+    applied: list[dict[str, Any]] = field(default_factory=list)  # node_id, staleness, num_examples, weight
+    discarded_stale: int = 0  # since the previous version
+    rejected: list[Rejection] = field(default_factory=list)  # invalid replies since the previous version
+    failed: list[Rejection] = field(default_factory=list)  # error replies and timeouts since the previous version
+    robust: dict[str, Any] | None = None  # the robust buffer rule's picks
+    metrics: MetricRecord | None = None  # clients' training metrics, weighted
+
+
+def _update_dtype(t: torch.Tensor) -> torch.dtype:
+    """Updates are float32 (float64 for integer tensors, rounded when applied)."""
+    return torch.float32 if t.is_floating_point() else torch.float64
+
+
+def server_step(
+    current: TensorDict, update: TensorDict, lr: float, momentum: float, velocity: TensorDict | None
+) -> tuple[TensorDict, TensorDict | None]:
+    """global + η·v with v = β·v + Δ (v = Δ when β = 0), for floating-point tensors.
+
+    Integer tensors (BatchNorm counters) take the plain mean update, rounded: a
+    learning rate or momentum on a counter means nothing.
+    """
+    if momentum > 0:
+        velocity = {
+            k: (momentum * velocity[k] + d if velocity is not None else d.clone()) if d.is_floating_point() else d
+            for k, d in update.items()
+        }
+        update = velocity
+    step = {k: d * lr if d.is_floating_point() and lr != 1.0 else d for k, d in update.items()}
+    return apply_update(current, step), velocity
+
+
+class FedBuff(Strategy):
+    """Buffered asynchronous aggregation with a staleness bound (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        buffer_size: int = 3,
+        concurrency: int = 0,
+        max_staleness: int = 10,
+        staleness: StalenessFn,
+        staleness_name: str = "polynomial",
+        server_lr: float = 1.0,
+        server_momentum: float = 0.0,
+        buffer_rule: RobustStrategy | None = None,
+        min_available_nodes: int = 1,
+        message_ttl_s: float = 600.0,
+        poll_interval_s: float = 0.02,
+        deadline_grace_s: float = 5.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size={buffer_size} must be >= 1")
+        if concurrency < 0 or max_staleness < 0 or server_lr <= 0 or not 0 <= server_momentum < 1:
+            raise ValueError(
+                f"need concurrency >= 0, max_staleness >= 0, server_lr > 0 and 0 <= server_momentum < 1 "
+                f"(got {concurrency}, {max_staleness}, {server_lr}, {server_momentum})"
+            )
+        if buffer_rule is not None and (problem := buffer_rule.too_few(buffer_size)) is not None:
+            raise ValueError(f"a buffer of {buffer_size} updates is too small: {problem}")
+        self.buffer_size = buffer_size
+        self.concurrency = concurrency
+        self.max_staleness = max_staleness
+        self.staleness = staleness
+        self.staleness_name = staleness_name
+        self.server_lr = server_lr
+        self.server_momentum = server_momentum
+        self.buffer_rule = buffer_rule
+        self.min_available_nodes = min_available_nodes
+        self.message_ttl_s = message_ttl_s
+        self.poll_interval_s = poll_interval_s
+        # Past a message's TTL the SuperLink answers with an error; the local deadline
+        # (TTL + grace) is the backstop for a reply that never comes.
+        self.deadline_grace_s = deadline_grace_s
+        self.device = torch.device(device)
+        self.version = 0
+        self.tasks_sent = 0
+        self.discarded_total = 0
+        self.velocity: TensorDict | None = None
+        self.buffer: list[ValidReply] = []
+        self.in_flight: dict[str, InFlight] = {}  # message id -> task
+        self.report = VersionReport()
+        self._specs: dict[str, ArraySpec] = {}
+        self._arrays = ArrayRecord()
+        self._models: dict[int, TensorDict] = {}  # version -> global model, while some task or update needs it
+
+    def summary(self) -> None:
+        log.info(
+            "FedBuff: buffer K=%d, concurrency %s, max staleness %d, staleness weight %s, server lr %g, "
+            "momentum %g, buffer aggregated by %s, message TTL %.0f s, aggregating on %s",
+            self.buffer_size,
+            self.concurrency or "all nodes",
+            self.max_staleness,
+            self.staleness_name,
+            self.server_lr,
+            self.server_momentum,
+            type(self.buffer_rule).__name__ if self.buffer_rule else "weighted mean",
+            self.message_ttl_s,
+            self.device,
+        )
+
+    # --- state -----------------------------------------------------------------
+    def set_model(self, arrays: ArrayRecord, version: int) -> None:
+        """Start from `arrays` as version `version` (0, or a checkpoint's)."""
+        self._arrays, self.version = arrays, version
+        self._specs = specs_of(arrays)
+        self._models[version] = record_to_tensors(arrays)
+
+    @property
+    def arrays(self) -> ArrayRecord:
+        return self._arrays
+
+    def _prune_models(self) -> None:
+        """Keep only the versions an in-flight task or a buffered update can still use."""
+        needed = {self.version} | {t.version for t in self.in_flight.values()}
+        needed = {v for v in needed if self.version - v <= self.max_staleness}
+        for version in list(self._models):
+            if version not in needed:
+                del self._models[version]
+
+    # --- sending -----------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Messages for idle connected nodes, up to `concurrency` tasks in flight.
+
+        Each message carries the current version (`server-round`) and a task number
+        (`task`), so a node that trains twice on one version still draws new batches.
+        """
+        busy = {t.node_id for t in self.in_flight.values()}
+        idle = [n for n in grid.get_node_ids() if n not in busy]
+        limit = self.concurrency or len(idle) + len(busy)
+        free = min(len(idle), limit - len(self.in_flight))
+        messages = []
+        for node in random.sample(idle, free) if free > 0 else []:
+            self.tasks_sent += 1
+            cfg = ConfigRecord({**config, "server-round": server_round, "task": self.tasks_sent})
+            content = RecordDict({"arrays": arrays, "config": cfg})
+            messages.append(
+                Message(content, node, MessageType.TRAIN, ttl=self.message_ttl_s, group_id=str(server_round))
+            )
+        return messages
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """None: FedBuff evaluates the global model centrally (federated evaluation is a
+        synchronous round, the thing this strategy avoids)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def _push(self, grid: Grid, config: ConfigRecord) -> None:
+        messages = list(self.configure_train(self.version, self._arrays, config, grid))
+        if not messages:
+            return
+        deadline = time.monotonic() + self.message_ttl_s + self.deadline_grace_s
+        for msg, mid in zip(messages, grid.push_messages(messages), strict=True):
+            self.in_flight[mid] = InFlight(msg.metadata.dst_node_id, self.version, deadline)
+
+    # --- receiving -----------------------------------------------------------------
+    def receive(self, reply: Message) -> None:
+        """Take one reply: free its node, then discard, reject or buffer the update."""
+        task = self.in_flight.pop(reply.metadata.reply_to_message_id, None)
+        if task is None:  # not ours, or given up already
+            return
+        node = task.node_id
+        if reply.has_error():
+            self.report.failed.append(Rejection(node, f"error reply (code {reply.error.code}): {reply.error.reason}"))
+            log.warning("node %s: training task failed: %s", node, reply.error.reason)
+            return
+        tau = self.version - task.version
+        if tau > self.max_staleness or task.version not in self._models:
+            self.report.discarded_stale += 1
+            self.discarded_total += 1
+            log.info(
+                "node %s: update from version %d is %d versions stale (> %d): discarded",
+                node,
+                task.version,
+                tau,
+                self.max_staleness,
+            )
+            return
+        try:
+            valid = screen_reply(reply, self._specs, check_finite=True)
+        except InvalidReply as err:
+            self.report.rejected.append(Rejection(node, str(err)))
+            log.warning("rejected reply from node %s: %s", node, err)
+            return
+        valid.node_id, valid.staleness, valid.base = node, tau, self._models[task.version]
+        valid.weight *= self.staleness(tau)
+        if self.buffer_rule is not None:
+            # A robust rule counts Byzantine *nodes*: one fast attacker must not fill the
+            # buffer, so a node's newer update replaces its older one.
+            self.buffer = [r for r in self.buffer if r.node_id != node]
+        self.buffer.append(valid)
+
+    def expire(self, now: float) -> None:
+        """Give up tasks past their deadline: the node is free again, the task lost."""
+        for mid, task in list(self.in_flight.items()):
+            if now > task.deadline:
+                del self.in_flight[mid]
+                self.report.failed.append(Rejection(task.node_id, "no reply before the message TTL"))
+                log.warning("node %s: no reply within %.0f s; task given up", task.node_id, self.message_ttl_s)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Take replies in order; each time K updates are buffered, step the global model.
+
+        Returns the newest model (None when no step happened) and the clients'
+        metrics of the last step. Replies after a step count their staleness against
+        the new version.
+        """
+        new = None
+        for reply in replies:
+            self.receive(reply)
+            if len(self.buffer) >= self.buffer_size:
+                new = self.flush()
+        return new, (self.report.metrics if new is not None else None)
+
+    def _aggregate_buffer(self, current: TensorDict) -> TensorDict:
+        """The buffer's combined update: weighted mean, or the robust rule's."""
+        buffer = self.buffer
+        if self.buffer_rule is None:
+            return weighted_update_mean(
+                [r.arrays for r in buffer], [r.base for r in buffer], [r.weight for r in buffer], self.device
+            )
+        rule = self.buffer_rule
+        rule._global, rule.train_report = current, RoundReport(sampled=len(buffer))
+        screened = Screened(valid=list(buffer))
+        proposed = rule.aggregate_models(self.version + 1, screened)
+        report = rule.train_report
+        report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
+        self.report.robust = report.robust_row()
+        if proposed is None:  # the rule's too-few policy said skip: the model stays
+            return {k: torch.zeros(t.shape, dtype=_update_dtype(t), device=self.device) for k, t in current.items()}
+        return {
+            k: proposed[k].to(self.device, _update_dtype(t)) - t.to(self.device, _update_dtype(t))
+            for k, t in current.items()
+        }
+
+    def flush(self) -> ArrayRecord:
+        """Apply the buffer: one server update, version + 1."""
+        current = self._models[self.version]
+        update = self._aggregate_buffer(current)
+        new, self.velocity = server_step(current, update, self.server_lr, self.server_momentum, self.velocity)
+        report = self.report
+        report.applied = [
+            {"node_id": r.node_id, "staleness": r.staleness, "num_examples": r.metrics[WEIGHT_KEY], "weight": r.weight}
+            for r in self.buffer
+        ]
+        report.metrics = weighted_metrics(self.buffer)
+        self.version += 1
+        report.version = self.version
+        self._arrays = tensors_to_record(new, consume=True)
+        self._models[self.version] = record_to_tensors(self._arrays)
+        self.buffer = []
+        self._prune_models()
+        return self._arrays
+
+    # --- the asynchronous loop -------------------------------------------------------
+    def run(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        on_version: Callable[[VersionReport, ArrayRecord], bool],
+        *,
+        first_version: int = 0,
+        deadline: float | None = None,
+    ) -> ArrayRecord:
+        """Keep nodes busy and step the model until `on_version` returns True (stop) or
+        the monotonic `deadline` passes. Returns the last global model."""
+        self.set_model(arrays, first_version)
+        next_wait_log = 0.0
+        while deadline is None or time.monotonic() < deadline:
+            self._push(grid, config)
+            replies = list(grid.pull_messages(list(self.in_flight))) if self.in_flight else []
+            self.expire(time.monotonic())
+            stop = False
+            for reply in replies:
+                new, _ = self.aggregate_train(self.version, [reply])
+                if new is not None:
+                    report, self.report = self.report, VersionReport()
+                    if on_version(report, new):
+                        stop = True
+                        break
+            if stop:
+                break
+            if not replies:
+                if not self.in_flight and time.monotonic() >= next_wait_log:
+                    log.info("FedBuff: no node to train on; waiting for nodes to connect")
+                    next_wait_log = time.monotonic() + 10.0
+                time.sleep(self.poll_interval_s)
+        else:
+            log.info("FedBuff: wall-clock budget reached at version %d", self.version)
+        if self.in_flight:
+            log.info("FedBuff: %d task(s) still out are abandoned (their TTL ends them)", len(self.in_flight))
+        return self._arrays
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's entry point: `num_rounds` server updates (versions) within `timeout`
+        seconds, with `evaluate_fn` after each one."""
+        result = Result()
+
+        def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
+            if report.metrics is not None:
+                result.train_metrics_clientapp[report.version] = report.metrics
+            if evaluate_fn is not None and (metrics := evaluate_fn(report.version, arrays)) is not None:
+                result.evaluate_metrics_serverapp[report.version] = metrics
+            return report.version >= num_rounds
+
+        result.arrays = self.run(
+            grid, initial_arrays, train_config or ConfigRecord(), on_version, deadline=time.monotonic() + timeout
+        )
+        return result
+
+    # --- checkpointing ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Version, counters and server momentum. Buffered updates and tasks in flight
+        are not saved: after a resume the nodes are simply sent the current version."""
+        return {
+            "strategy": "FedBuff",
+            "version": self.version,
+            "tasks_sent": self.tasks_sent,
+            "discarded_total": self.discarded_total,
+            "velocity": self.velocity,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != "FedBuff":
+            raise ValueError(f"checkpoint holds {state.get('strategy')} state, not FedBuff")
+        self.version = int(state["version"])
+        self.tasks_sent = int(state["tasks_sent"])
+        self.discarded_total = int(state["discarded_total"])
+        self.velocity = state["velocity"]
