@@ -1,0 +1,198 @@
+"""FedBuff end to end with the real ClientApp on concurrent in-process nodes:
+stragglers, the staleness bound, vanished and crashing nodes, stopping rules, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+from app.client_app import app as client_app
+from app.config import ConfigError, StragglersConfig, load_config
+from app.federated_run import run_federation
+from app.local_grid import InProcessGrid
+from app.stragglers import SimulatedDropout, client_record, slow_down, straggler_factors
+from strategies.fedbuff import FedBuff
+from strategies.staleness import staleness_fn
+
+FAST = "strategy=fedbuff train.epochs=1 seed=5 "
+
+
+def _run(tmp_path, overrides: str, nodes: int = 4, workers: int = 4, tamper=None) -> tuple[dict, InProcessGrid]:
+    cfg, raw = load_config(overrides)
+    grid = InProcessGrid(client_app, nodes, tamper=tamper, workers=workers)
+    try:
+        return run_federation(grid, cfg, raw, tmp_path), grid
+    finally:
+        grid.close()
+
+
+def _rows(summary: dict) -> list[dict]:
+    with open(f"{summary['run_dir']}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("max_staleness", [3, 1000])
+def test_a_slow_nodes_stale_updates_are_discarded_or_down_weighted_as_configured(tmp_path, max_staleness):
+    """Partition 0 is 4x slower: by the time it answers, the three fast nodes have moved
+    the model on by about 12 versions (buffer K = 1)."""
+    summary, grid = _run(
+        tmp_path,
+        FAST + f"strategy.buffer_size=1 strategy.max_staleness={max_staleness} strategy.eval_every=20 "
+        "federation.rounds=40 stragglers=fixed stragglers.factors=[4]",
+    )
+    rows = _rows(summary)
+    assert summary["status"] == "completed" and [r["version"] for r in rows] == list(range(1, 41))
+    assert grid.max_in_flight == 1  # never two tasks at one node
+    applied = [u for r in rows for u in r["applied"]]
+    for u in applied:  # weight = examples x (1 + tau)^-1/2, and never past the bound
+        assert u["staleness"] <= max_staleness
+        assert u["weight"] == pytest.approx(u["num_examples"] / math.sqrt(1 + u["staleness"]))
+    slow = [u for u in applied if u["node_id"] == 1000]
+    if max_staleness == 3:
+        assert summary["fedbuff"]["discarded_stale"] >= 1 and not slow
+        assert sum(r["num_discarded_stale"] for r in rows) == summary["fedbuff"]["discarded_stale"]
+    else:
+        assert summary["fedbuff"]["discarded_stale"] == 0
+        assert slow and min(u["staleness"] for u in slow) > 3  # applied, and down-weighted
+    assert summary["stragglers"]["slowdown_per_partition"] == [4.0, 1.0, 1.0, 1.0]
+
+
+def test_a_node_that_vanishes_mid_run_does_not_stall_it(tmp_path):
+    replies: dict[int, int] = {}
+    grid_box: list[InProcessGrid] = []
+
+    def tamper(node, reply):
+        replies[node] = replies.get(node, 0) + 1
+        if node == 1002 and replies[node] == 2:
+            grid_box[0].kill(1002)  # gone right after training: this reply never arrives
+        return reply
+
+    cfg, raw = load_config(FAST + "strategy.buffer_size=2 federation.rounds=10")
+    grid = InProcessGrid(client_app, 4, tamper=tamper, workers=4)
+    grid_box.append(grid)
+    try:
+        summary = run_federation(grid, cfg, raw, tmp_path)
+    finally:
+        grid.close()
+    rows = _rows(summary)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 10
+    failed = [f for r in rows for f in r["failed"]]
+    assert any(f["node_id"] == 1002 and "node 1002 is gone" in f["reason"] for f in failed)
+    assert sum(m.metadata.dst_node_id == 1002 for m in grid.pushed) == 2  # no work sent after it left
+    assert all(u["node_id"] != 1002 for r in rows[-3:] for u in r["applied"])
+
+
+def test_crashing_tasks_are_counted_and_the_run_goes_on(tmp_path):
+    summary, _ = _run(
+        tmp_path, FAST + "strategy.buffer_size=2 federation.rounds=8 stragglers=lognormal stragglers.dropout=0.3"
+    )
+    rows = _rows(summary)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 8
+    failed = [f for r in rows for f in r["failed"]]
+    assert failed and all("simulated dropout" in f["reason"] for f in failed)
+
+
+def test_fedbuff_resumes_from_its_version(tmp_path):
+    first, _ = _run(tmp_path, FAST + "federation.rounds=3 name=r", workers=0)
+    resumed, _ = _run(
+        tmp_path, FAST + f"federation.rounds=5 name=r resume={tmp_path / 'r' / 'checkpoint.pt'}", workers=0
+    )
+    assert first["fedbuff"]["versions"] == 3
+    assert resumed["fedbuff"]["versions"] == 5 and resumed["rounds_completed"] == 5
+    assert [r["version"] for r in _rows(resumed)] == [1, 2, 3, 4, 5]
+    assert resumed["fedbuff"]["tasks_sent"] > first["fedbuff"]["tasks_sent"]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbuff"])
+def test_runs_stop_at_the_target_accuracy_or_the_wall_clock_budget(tmp_path, strategy):
+    target, _ = _run(tmp_path / "t", f"strategy={strategy} federation.rounds=40 federation.target_accuracy=0.5 seed=5")
+    assert target["stop_reason"] == "target accuracy 0.5 reached"
+    assert target["final_accuracy"] >= 0.5 and target["rounds_completed"] < 40
+    budget, _ = _run(tmp_path / "b", f"strategy={strategy} federation.rounds=1000 federation.max_wall_time_s=2 seed=5")
+    assert budget["stop_reason"] == "wall-clock budget 2 s spent" and budget["rounds_completed"] < 1000
+    assert budget["final_accuracy"] is not None
+
+
+def test_flower_style_start_runs_the_asynchronous_loop():
+    """FedBuff.start keeps Flower's Strategy.start contract: N server updates, evaluate_fn each."""
+    from app.config import to_client_record
+    from app.data import data_spec, load_splits, spec_to_record
+    from app.models import build_model
+
+    cfg, _ = load_config("train.epochs=1")
+    spec = data_spec(*load_splits(cfg.dataset, cfg.seed))
+    grid = InProcessGrid(client_app, 3, workers=3)
+    seen: list[int] = []
+    try:
+        result = FedBuff(buffer_size=2, staleness=staleness_fn("constant")).start(
+            grid,
+            ArrayRecord(build_model(cfg.model, spec).state_dict()),
+            num_rounds=3,
+            train_config=ConfigRecord({**to_client_record(cfg), **spec_to_record(spec)}),
+            evaluate_fn=lambda v, arrays: seen.append(v) or MetricRecord({"v": v}),
+        )
+    finally:
+        grid.close()
+    assert seen == [1, 2, 3] and sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    assert result.train_metrics_clientapp[3]["num-examples"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ("strategy=fedbuff federation.fraction_evaluate=0.5", "evaluates centrally"),
+        ("strategy=fedbuff strategy.buffer_size=0", "strategy.buffer_size"),
+        ("strategy=fedbuff strategy.staleness_fn=linear", "strategy.staleness_fn"),
+        ("strategy=fedbuff strategy.server_momentum=1.0", "strategy.server_momentum"),
+        ("strategy=fedbuff strategy.buffer_aggregator=mode", "strategy.buffer_aggregator"),
+        ("stragglers=fixed stragglers.factors=[0.5]", "stragglers.factors"),
+        ("stragglers=lognormal stragglers.dropout=1.0", "stragglers.dropout"),
+        ("federation.target_accuracy=1.5", "federation.target_accuracy"),
+    ],
+)
+def test_bad_async_settings_are_refused_by_name(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ("strategy.buffer_aggregator=krum strategy.num_byzantine=1 strategy.buffer_size=4", "too small for the robust"),
+        ("strategy.buffer_aggregator=median strategy.buffer_size=5", "one update per node"),
+    ],
+)
+def test_impossible_robust_buffers_are_refused_before_training(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        _run(tmp_path, FAST + overrides, nodes=4, workers=0)
+
+
+def test_straggler_factors_are_seeded_and_at_least_one():
+    fixed = straggler_factors(StragglersConfig(name="fixed", factors=[5.0, 2.0]), 4, seed=1)
+    assert fixed == [5.0, 2.0, 1.0, 1.0]
+    logn = StragglersConfig(name="lognormal", sigma=1.0)
+    a, b = straggler_factors(logn, 50, seed=1), straggler_factors(logn, 50, seed=2)
+    assert a == straggler_factors(logn, 50, seed=1) and a != b
+    assert min(a) == 1.0 and max(a) > 2.0 and 0.3 < sum(x == 1.0 for x in a) / 50 < 0.7
+    assert client_record(StragglersConfig(), 4, 1) == {}
+
+
+def test_slow_down_sleeps_in_proportion_to_compute_time(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr("app.stragglers.time.sleep", slept.append)
+    record = client_record(StragglersConfig(name="fixed", factors=[4.0]), 2, seed=0)
+    assert slow_down(record, 0, compute_s=0.5, seed=3) == pytest.approx(1.5) and slept == [pytest.approx(1.5)]
+    assert slow_down(record, 1, compute_s=0.5, seed=3) == 0.0  # full speed
+    assert slow_down(record, None, compute_s=0.5, seed=3) == 0.0  # a deployed node: never slowed
+    flaky = client_record(StragglersConfig(name="fixed", factors=[4.0], dropout=0.5), 2, seed=0)
+    outcomes = []
+    for seed in range(40):
+        try:
+            slow_down(flaky, 0, 0.1, seed)
+            outcomes.append(True)
+        except SimulatedDropout:
+            outcomes.append(False)
+    assert 8 < outcomes.count(False) < 32
