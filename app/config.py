@@ -54,13 +54,13 @@ class StrategyConfig:
     trim_ratio: float = 0.1  # trimmed mean: fraction trimmed from each end
     on_too_few: str = "skip"  # skip | fallback (to the median) when too few valid replies
     # FedBuff (asynchronous):
-    buffer_size: int = 3  # K: updates per server step
+    buffer_size: int = 5  # K: updates per server step
     concurrency: int = 0  # nodes training at once; 0 = every connected node
     max_staleness: int = 10  # updates older than this many versions are discarded
     staleness_fn: str = "polynomial"  # constant | polynomial | hinge
     staleness_a: float = 0.5
     staleness_b: float = 4.0  # hinge: no discount up to b versions
-    server_lr: float = 1.0  # η
+    server_lr: float = 0.5  # η
     server_momentum: float = 0.0  # β
     buffer_aggregator: str = "mean"  # mean | krum | multikrum | median | trimmed_mean
     eval_every: int = 1  # central evaluation every N versions (and always at the end)

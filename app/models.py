@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchvision.models import resnet18
 
 from app.config import ConfigError, ModelConfig
 from app.data import DataSpec
@@ -39,7 +38,13 @@ class SmallCNN(nn.Module):
 
 
 def resnet18_small(spec: DataSpec) -> nn.Module:
-    """torchvision ResNet-18 for 32x32 inputs: 3x3 stride-1 stem, no max-pool."""
+    """torchvision ResNet-18 for 32x32 inputs: 3x3 stride-1 stem, no max-pool.
+
+    torchvision is imported here, not at module load: a deployed SuperNode starts a
+    fresh ClientApp process per message, and the import costs ~1.2 s of every one.
+    """
+    from torchvision.models import resnet18
+
     model = resnet18(num_classes=spec.num_classes)
     model.conv1 = nn.Conv2d(spec.channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()

@@ -65,7 +65,7 @@ def _reply(message_id: str, node: int, arrays: dict[str, np.ndarray] | None, num
 
 
 def _strategy(**kwargs) -> FedBuff:
-    defaults = {"buffer_size": 3, "max_staleness": 2, "staleness": staleness_fn("polynomial", 0.5)}
+    defaults = {"buffer_size": 3, "max_staleness": 2, "staleness": staleness_fn("polynomial", 0.5), "server_lr": 1.0}
     return FedBuff(**{**defaults, **kwargs})
 
 

@@ -1,0 +1,396 @@
+"""End to end against real deployment processes on loopback: one `flower-superlink`,
+three `flower-supernode`s, and the `flwr` CLI submitting through a named connection.
+
+This is the path a real deployment takes (Fleet API over HTTP, one ClientApp process
+per message, FAB shipped to every node), which simulation never exercises. Every
+process gets its own FLWR_HOME under the test's temporary directory; that path in a
+process's command line or environment is how teardown finds everything started here,
+including the SuperLink's detached `flower-superexec` (own session) and the
+`flwr-serverapp` / `flwr-clientapp` processes the SuperExecs spawn.
+
+Process tree in flwr 1.42 (insecure, `--isolation subprocess`, the default):
+
+    flower-superlink --host 127.0.0.1 --port P      (Fleet + Control + Runtime API)
+      flower-superexec (start_new_session)  ->  flwr-serverapp per run
+    flower-supernode --superlink 127.0.0.1:P --port Q_i   (own Runtime API port)
+      flower-superexec (same session)       ->  flwr-clientapp per message
+
+Runtime dependency installation (`uv sync` per run) is on by default in the SuperLink
+only: `--disable-runtime-dependency-installation` (or the environment variable
+FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1) turns it off
+(flwr/superlink/cli/flower_superlink.py, flwr/common/args.py). A SuperNode installs
+nothing unless given `--allow-runtime-dependency-installation` (default False:
+RUNTIME_DEPENDENCY_INSTALL in flwr/common/constant.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONNECTION = "loopback"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+START_TIMEOUT_S = 60.0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _free_ports(n: int) -> list[int]:
+    """Ports the kernel has just handed out (all bound at once, so they are distinct)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if result := check():
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return ANSI.sub("", path.read_text(errors="replace"))[-chars:]
+    except OSError:
+        return f"<no {path}>"
+
+
+def _proc_table() -> dict[int, tuple[str, int, int]]:
+    """pid -> (state, ppid, session id) of every visible process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+            table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
+    return table
+
+
+def _marked(pid: int, marker: bytes) -> bool:
+    """Does `marker` (a path) occur in the process's command line or environment?"""
+    for part in ("cmdline", "environ"):
+        try:
+            if marker in Path(f"/proc/{pid}/{part}").read_bytes():
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def processes_under(marker: str) -> set[int]:
+    """Live processes started for `marker`: matches, the sessions they lead, descendants.
+
+    Never this test process or its ancestors; zombies are skipped (already dead).
+    """
+    table, mark = _proc_table(), marker.encode()
+    protected, pid = set(), os.getpid()
+    while pid > 1 and pid not in protected:
+        protected.add(pid)
+        pid = table.get(pid, ("", 1, 0))[1]
+    found = {p for p in table if p not in protected and _marked(p, mark)}
+    leaders = {p for p in found if table[p][2] == p}
+    found |= {p for p, (_, _, sid) in table.items() if sid in leaders}
+    while children := {p for p, (_, ppid, _) in table.items() if ppid in found} - found:
+        found |= children
+    return {p for p in found - protected if table[p][0] != "Z"}
+
+
+def kill_all_under(marker: str) -> None:
+    """SIGKILL every process of `marker` until none is left; fail loudly if one survives."""
+    for _ in range(10):
+        if not (pids := processes_under(marker)):
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in processes_under(marker)}
+    assert not left, f"processes under {marker} survived SIGKILL: {left}"
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ----------------------------------------------------------------------------- federation
+
+
+class LoopbackRun:
+    """One `flwr run --stream` in the background, its output root and its run id."""
+
+    def __init__(self, fed: LoopbackFederation, proc: subprocess.Popen, log: Path, out_root: Path) -> None:
+        self.fed, self.proc, self.log, self.out_root = fed, proc, log, out_root
+        self.run_id: str = _wait_until(self._started, START_TIMEOUT_S, f"`flwr run` to submit the run ({log})")
+
+    def _started(self) -> str | None:
+        if m := re.search(r"Successfully started run (\d+)", _tail(self.log, 10**6)):
+            return m.group(1)
+        if self.proc.poll() is not None:
+            raise AssertionError(f"`flwr run` exited {self.proc.returncode} before submitting:\n{_tail(self.log)}")
+        return None
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """Rows of the run's metrics.jsonl so far (the ServerApp appends one per update)."""
+        rows = []
+        for path in self.out_root.glob("*/metrics.jsonl"):
+            complete = path.read_text().split("\n")[:-1]  # the last piece may be a line being written
+            rows += [json.loads(line) for line in complete if line.strip()]
+        return rows
+
+    def status(self) -> dict[str, Any]:
+        """The run's row of `flwr list --run-id ID --format json`."""
+        proc = self.fed.cli("list", "--run-id", self.run_id, "--format", "json")
+        text = proc.stdout
+        assert proc.returncode == 0 and "{" in text, f"flwr list failed:\n{text}\n{proc.stderr}"
+        return json.loads(text[text.index("{") :])["runs"][0]
+
+    def wait(self, timeout: float, expect: str = "finished:completed") -> dict[str, Any]:
+        """Wait for the run to end; check Flower's verdict `expect`, return summary.json.
+
+        `flwr run --stream` exits 0 even when the ServerApp raised, so the verdict comes
+        from `flwr list` (`finished:completed` / `finished:failed` + status-details).
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run {self.run_id} still going after {timeout:.0f} s:\n{_tail(self.log)}") from None
+        # The stream ends with the run; allow the state a moment to settle anyway.
+        row = _wait_until(
+            lambda: (r := self.status())["status"].startswith("finished") and r,
+            max(10.0, deadline - time.monotonic()),
+            f"run {self.run_id} to be marked finished",
+            interval=1.0,
+        )
+        assert row["status"] == expect, f"run {self.run_id}: {row['status']} {row['status-details']}\n{_tail(self.log)}"
+        summaries = list(self.out_root.glob("*/summary.json"))
+        if not summaries and expect != "finished:completed":
+            return {}  # e.g. a run refused before it wrote anything
+        assert len(summaries) == 1, f"expected one summary.json under {self.out_root}: {summaries}\n{_tail(self.log)}"
+        return json.loads(summaries[0].read_text())
+
+
+class LoopbackFederation:
+    """A SuperLink and `num_nodes` SuperNodes on 127.0.0.1, each in its own FLWR_HOME."""
+
+    def __init__(self, root: Path, num_nodes: int) -> None:
+        self.root = root.resolve()
+        self.num_nodes = num_nodes
+        self.procs: list[subprocess.Popen] = []
+        self.nodes: list[subprocess.Popen] = []
+        self.node_ids: list[int] = []
+        self.port, *self.node_ports = _free_ports(1 + num_nodes)
+        self._runs = 0
+
+    def env(self, home: str) -> dict[str, str]:
+        """Environment of every process: a private FLWR_HOME, nothing from the network."""
+        path = self.root / home
+        path.mkdir(parents=True, exist_ok=True)
+        return {
+            **os.environ,
+            "FLWR_HOME": str(path),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",  # logs reach the files while we poll them
+        }
+
+    def _spawn(
+        self, home: str, cmd: list[str], cwd: Path | None = None, log_name: str = "output.log"
+    ) -> tuple[subprocess.Popen, Path]:
+        env = self.env(home)
+        log = self.root / home / log_name
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd, env=env, cwd=cwd or env["FLWR_HOME"], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        self.procs.append(proc)
+        return proc, log
+
+    def start(self) -> None:
+        """SuperLink first (nodes back off exponentially while it is down), then the nodes."""
+        superlink, sl_log = self._spawn(
+            "superlink",
+            [
+                "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+                "--database", str(self.root / "superlink" / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+        )  # fmt: skip
+
+        def listening() -> bool:
+            if superlink.poll() is not None:
+                raise AssertionError(f"flower-superlink exited {superlink.returncode}:\n{_tail(sl_log)}")
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+        _wait_until(listening, START_TIMEOUT_S, f"flower-superlink on port {self.port}")
+
+        logs = []
+        for i, port in enumerate(self.node_ports):
+            node, log = self._spawn(
+                f"node-{i}",
+                [
+                    "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}", "--port", str(port),
+                    "--node-config", f"partition-id={i} num-partitions={self.num_nodes}",
+                ],
+            )  # fmt: skip
+            self.nodes.append(node)
+            logs.append(log)
+
+        def node_id(i: int) -> int | None:
+            if m := re.search(r"SuperNode ID: (\d+)", _tail(logs[i], 10**6)):
+                return int(m.group(1))
+            if self.nodes[i].poll() is not None:
+                raise AssertionError(f"flower-supernode {i} exited {self.nodes[i].returncode}:\n{_tail(logs[i])}")
+            return None
+
+        self.node_ids = [
+            _wait_until(lambda i=i: node_id(i), START_TIMEOUT_S, f"SuperNode {i}") for i in range(self.num_nodes)
+        ]
+
+        config = Path(self.env("cli")["FLWR_HOME"]) / "config.toml"
+        config.write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+        _wait_until(self._all_online, 30.0, f"{self.num_nodes} nodes online in `flwr supernode list`", 1.0)
+
+    def _all_online(self) -> bool:
+        proc = self.cli("supernode", "list", CONNECTION, "--format", "json")
+        if proc.returncode != 0 or "{" not in proc.stdout:
+            return False
+        nodes = json.loads(proc.stdout[proc.stdout.index("{") :])["nodes"]
+        online = {int(n["node-id"]) for n in nodes if n["status"] == "online"}
+        return set(self.node_ids) <= online
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """A short `flwr` command with the test's config.toml."""
+        return subprocess.run(
+            ["flwr", *args], env=self.env("cli"), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+
+    def submit(self, overrides: str) -> LoopbackRun:
+        """`flwr run . loopback --stream` in the background, results in a fresh output root."""
+        assert "'" not in overrides, "the overrides travel inside single quotes"
+        self._runs += 1
+        out_root = self.root / f"results-{self._runs}"
+        run_config = f"overrides='{overrides}' output-dir='{out_root}'"
+        proc, log = self._spawn(
+            "cli",
+            ["flwr", "run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config],
+            cwd=ROOT,
+            log_name=f"run-{self._runs}.log",
+        )
+        return LoopbackRun(self, proc, log, out_root)
+
+    def run(self, overrides: str, timeout: float) -> dict[str, Any]:
+        """Submit, wait for a `finished:completed` run, return its summary.json."""
+        return self.submit(overrides).wait(timeout)
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL SuperNode `i` with its SuperExec and ClientApps (a crash: no goodbye to
+        the SuperLink, which marks the node offline only after missed heartbeats)."""
+        _killpg(self.nodes[i])
+        kill_all_under(str(self.root / f"node-{i}") + "/")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _killpg(proc)
+        kill_all_under(str(self.root) + "/")
+
+
+@contextmanager
+def loopback_federation(tmp_path: Path, num_nodes: int = 3) -> Iterator[LoopbackFederation]:
+    """A running loopback federation; every process it started is gone afterwards."""
+    for tool in ("flower-superlink", "flower-supernode", "flwr"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"`{tool}` is not on PATH: pip install -e '.[test]'")
+    fed = LoopbackFederation(tmp_path / "loopback", num_nodes)
+    try:
+        t0 = time.monotonic()
+        fed.start()
+        print(f"\nloopback federation up in {time.monotonic() - t0:.1f} s: nodes {fed.node_ids}")
+        yield fed
+    finally:
+        fed.close()
+
+
+@pytest.fixture
+def loopback(tmp_path: Path) -> Iterator[LoopbackFederation]:
+    """The federation as a fixture (tests that may skip should use the context manager
+    inside the test instead: fixtures start before the test body can skip)."""
+    with loopback_federation(tmp_path) as fed:
+        yield fed
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.slow
+def test_sync_run_completes_over_loopback(loopback: LoopbackFederation) -> None:
+    summary = loopback.run("federation.rounds=2 federation.min_available_nodes=3 train.epochs=1", timeout=240)
+
+    assert summary["status"] == "completed", summary
+    assert summary["num_nodes"] == 3 and summary["rounds_completed"] == 2, summary
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["num_clients"] == 3 and row["num_rejected"] == 0 and row["num_missing"] == 0, row
+        # every SuperNode trained, each with the partition its --node-config names
+        assert {int(k): v for k, v in row["node_partitions"].items()} == dict(
+            zip(loopback.node_ids, range(3), strict=True)
+        ), row
+
+
+@pytest.mark.slow
+def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:
+    with loopback_federation(tmp_path) as fed:
+        run = fed.submit("strategy=fedbuff federation.rounds=4 train.epochs=1 strategy.buffer_size=2")
+        seen = _wait_until(run.metrics, 180.0, "the first server update in metrics.jsonl", interval=0.5)
+        fed.kill_node(2)
+        summary = run.wait(timeout=300)
+
+    assert len(seen) < 4, "the node died only after the run had finished its versions"
+    assert summary["status"] == "completed", summary
+    versions = [r["version"] for r in run.metrics() if "version" in r]
+    assert versions == [1, 2, 3, 4], versions
