@@ -115,7 +115,7 @@ class AttackConfig:
 class StragglersConfig:
     name: str = "none"
     factors: list[float] = field(default_factory=list)  # fixed: slowdown of partition 0, 1, ... (rest 1.0)
-    sigma: float = 1.0  # lognormal: slowdown max(1, exp(sigma * z)), z ~ N(0, 1) per node, seeded
+    sigma: float = 1.0  # lognormal: slowdown exp(sigma * (z - min z)), z ~ N(0, 1) per node, seeded
     dropout: float = 0.0  # probability that a training task crashes part way
 
 

@@ -1,7 +1,8 @@
 """Straggler simulation: slow and flaky nodes on one machine.
 
 The server draws one slowdown factor per simulated node (`stragglers=fixed` with a
-list, or `stragglers=lognormal` with σ, seeded by the run's seed), records them in
+list, or `stragglers=lognormal`: exp(σ·(zᵢ − min z)), zᵢ ~ N(0, 1) seeded by the run's
+seed), records them in
 summary.json and sends them to every ClientApp. A node with factor s really takes s
 times its measured compute time: after training it sleeps (s − 1) × that time, so
 the slowdown follows whatever its hardware did this round. With `stragglers.dropout`
@@ -34,8 +35,10 @@ def straggler_factors(cfg: StragglersConfig, num_partitions: int, seed: int) -> 
     if cfg.name == "fixed":
         return [float(cfg.factors[i]) if i < len(cfg.factors) else 1.0 for i in range(num_partitions)]
     if cfg.name == "lognormal":
+        # Durations relative to each other are lognormal; the fastest node runs at full
+        # speed (a slowdown below 1 would need faster hardware than this machine).
         z = np.random.default_rng(np.random.SeedSequence([seed, 0x57A6])).standard_normal(num_partitions)
-        return [max(1.0, math.exp(cfg.sigma * float(v))) for v in z]
+        return [math.exp(cfg.sigma * float(v - z.min())) for v in z]
     return [1.0] * num_partitions
 
 

@@ -319,11 +319,13 @@ class FedBuff(Strategy):
         update = self._aggregate_buffer(current)
         new, self.velocity = server_step(current, update, self.server_lr, self.server_momentum, self.velocity)
         report = self.report
+        excluded = set(report.robust["excluded"]) if report.robust else set()
         report.applied = [
             {"node_id": r.node_id, "staleness": r.staleness, "num_examples": r.metrics[WEIGHT_KEY], "weight": r.weight}
             for r in self.buffer
+            if r.node_id not in excluded
         ]
-        report.metrics = weighted_metrics(self.buffer)
+        report.metrics = weighted_metrics([r for r in self.buffer if r.node_id not in excluded])
         self.version += 1
         report.version = self.version
         self._arrays = tensors_to_record(new, consume=True)

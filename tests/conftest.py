@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -54,3 +55,17 @@ def context_for(partition_id: int, num_partitions: int, node_config: dict | None
         state=RecordDict(),
         run_config={},
     )
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports the kernel has just handed out (all bound at once, so they are distinct)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

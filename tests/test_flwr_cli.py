@@ -20,13 +20,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300
@@ -108,26 +108,13 @@ def stop_processes(flwr_home: str, grace_s: float = 10.0) -> None:
 # ----------------------------------------------------------------------------- fixtures
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture(scope="module")
 def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Environment for `flwr` with a private FLWR_HOME and ports; stops the SuperLink after."""
     if shutil.which("flwr") is None:
         pytest.fail("the `flwr` CLI is not on PATH: pip install -e '.[test]'")
     home = str(tmp_path_factory.mktemp("flwr_home"))
-    http_port, control_port = _free_ports(2)
+    http_port, control_port = free_ports(2)
     env = {
         **os.environ,
         "FLWR_HOME": home,
@@ -240,3 +227,18 @@ def test_flwr_run_bad_override_fails_without_training(flwr_env: dict[str, str], 
     assert not re.search(r"results: /", out), "a results directory was announced"
     assert "[round " not in out, "training rounds ran"
     assert not out_dir.exists() or not any(out_dir.rglob("metrics.jsonl")), sorted(out_dir.rglob("*"))
+
+
+def test_flwr_run_fedbuff_with_stragglers(flwr_env: dict[str, str], tmp_path: Path) -> None:
+    """The asynchronous loop under Flower's simulation runtime (push/pull through a real SuperLink)."""
+    out_dir = tmp_path / "runs"
+    code, out, run_id = flwr_run(flwr_env, out_dir, "strategy=fedbuff stragglers=lognormal federation.rounds=4")
+    assert code == 0 and run_id, out[-4000:]
+    assert run_status(flwr_env, run_id)["status"] == "finished:completed", out[-4000:]
+    (summary_path,) = out_dir.rglob("summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "completed" and summary["fedbuff"]["versions"] == 4, summary
+    rows = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(len(r["staleness"]) == r["num_clients"] == 5 for r in rows), rows
+    assert len(summary["stragglers"]["slowdown_per_partition"]) == 3

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "loopback"
@@ -47,20 +48,6 @@ START_TIMEOUT_S = 60.0
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _free_ports(n: int) -> list[int]:
-    """Ports the kernel has just handed out (all bound at once, so they are distinct)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -217,7 +204,7 @@ class LoopbackFederation:
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[subprocess.Popen] = []
         self.node_ids: list[int] = []
-        self.port, *self.node_ports = _free_ports(1 + num_nodes)
+        self.port, *self.node_ports = free_ports(1 + num_nodes)
         self._runs = 0
 
     def env(self, home: str) -> dict[str, str]:
