@@ -56,6 +56,12 @@ def time_to(target: float, run_dir: str) -> float | None:
     return next((t for t, a in zip(times, accs, strict=True) if a >= target), None)
 
 
+def curve(run_dir: str) -> list[list[float]]:
+    """[wall time, accuracy] of every evaluation, kept in the JSON with the summary numbers."""
+    times, _, accs = read_curve(Path(run_dir))
+    return [[round(t, 2), a] for t, a in zip(times, accs, strict=True)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=10)
@@ -97,6 +103,8 @@ def main() -> None:
                 "budget_s": budget,
                 "sync_run": sync["run_dir"],
                 "fedbuff_run": fedbuff["run_dir"],
+                "sync_curve": curve(sync["run_dir"]),
+                "fedbuff_curve": curve(fedbuff["run_dir"]),
             }
             results.append(row)
             print(
@@ -132,19 +140,27 @@ def main() -> None:
         json.dumps({"machine": cpu_model(), "target": args.target, "nodes": args.nodes, "runs": results}, indent=2)
         + "\n"
     )
+    plot(results, args.plot, args.target)
+    print(f"wrote {args.out} and {args.plot}")
+
+
+def plot(results: list[dict], path: Path, target: float) -> None:
+    """Accuracy over wall-clock time of each setting's first seed, sync and FedBuff overlaid."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first = {r["setting"]: r for r in reversed(results)}  # the first seed of each setting
+    first: dict[str, dict] = {}
+    for r in results:
+        first.setdefault(r["setting"], r)
     fig, axes = plt.subplots(1, len(first), figsize=(6 * len(first), 4.2), squeeze=False)
     for ax, (setting, r) in zip(axes[0], first.items(), strict=True):
         runs = [("sync FedAvg", Path(r["sync_run"])), ("FedBuff", Path(r["fedbuff_run"]))]
-        draw_curves(ax, runs, "time", title=f"{setting} (seed {r['seed']})", target=args.target)
+        draw_curves(ax, runs, "time", title=f"{setting} (seed {r['seed']})", target=target)
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=110)
-    print(f"wrote {args.out} and {args.plot}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ class FedBuff(Strategy):
     def __init__(
         self,
         *,
-        buffer_size: int = 5,
+        buffer_size: int = 10,
         concurrency: int = 0,
         max_staleness: int = 10,
         staleness: StalenessFn,

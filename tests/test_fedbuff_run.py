@@ -221,3 +221,23 @@ def test_robust_buffer_keeps_a_sign_flipping_node_out_of_an_asynchronous_run(tmp
     assert any(bad in r["robust"]["excluded"] for r in rows)  # its updates arrived, and were left out
     assert all(u["node_id"] != bad for r in rows for u in r["applied"])
     assert summary["final_accuracy"] > 0.6
+
+
+def test_compare_runs_overlays_evaluated_rows_against_wall_time(tmp_path):
+    from app.compare_runs import main, read_curve
+
+    for name, rows in {
+        "sync": [{"round": 1, "accuracy": 0.5, "wall_time_s": 2.0}, {"round": 2, "accuracy": 0.8, "wall_time_s": 4.0}],
+        "async": [
+            {"round": 1, "version": 1, "accuracy": None, "wall_time_s": 0.5},
+            {"round": 2, "version": 2, "accuracy": 0.7, "wall_time_s": 1.0},
+        ],
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_curve(tmp_path / "async") == ([1.0], [2], [0.7])  # the unevaluated version is skipped
+    out = tmp_path / "cmp.png"
+    main([str(tmp_path / "sync"), str(tmp_path / "async"), "-o", str(out), "--target", "0.75"])
+    assert out.stat().st_size > 10_000
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        read_curve(tmp_path / "nothing")
