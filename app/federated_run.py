@@ -79,7 +79,6 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
             server_lr=st.server_lr,
             server_momentum=st.server_momentum,
             buffer_rule=rule,
-            min_available_nodes=f.min_available_nodes,
             # One training task may take round_timeout_s; its message lives no longer.
             message_ttl_s=f.round_timeout_s,
             device=device,

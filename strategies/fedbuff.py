@@ -115,7 +115,6 @@ class FedBuff(Strategy):
         server_lr: float = 0.5,
         server_momentum: float = 0.0,
         buffer_rule: RobustStrategy | None = None,
-        min_available_nodes: int = 1,
         message_ttl_s: float = 600.0,
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
@@ -138,7 +137,6 @@ class FedBuff(Strategy):
         self.server_lr = server_lr
         self.server_momentum = server_momentum
         self.buffer_rule = buffer_rule
-        self.min_available_nodes = min_available_nodes
         self.message_ttl_s = message_ttl_s
         self.poll_interval_s = poll_interval_s
         # Past a message's TTL the SuperLink answers with an error; the local deadline
@@ -306,6 +304,8 @@ class FedBuff(Strategy):
         report = rule.train_report
         report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
         self.report.robust = report.robust_row()
+        self.report.robust["excluded"] += [r.node_id for r in screened.rejected]  # found bad by the rule itself
+        self.report.rejected += screened.rejected
         if proposed is None:  # the rule's too-few policy said skip: the model stays
             return {k: torch.zeros(t.shape, dtype=_update_dtype(t), device=self.device) for k, t in current.items()}
         return {
