@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_ports
+from processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300
@@ -35,74 +35,6 @@ METRIC_KEYS = {"round", "accuracy", "loss", "wall_time_s", "num_clients", "num_r
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 pytestmark = pytest.mark.slow
-
-
-# ----------------------------------------------------------------------------- processes
-
-
-def _proc_table() -> dict[int, tuple[str, int, int]]:
-    """pid -> (state, ppid, session id) for every process we can see."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
-        table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
-    return table
-
-
-def _belongs_to(pid: int, flwr_home: str) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return (flwr_home + "/").encode() in cmdline or f"FLWR_HOME={flwr_home}".encode() in environ.split(b"\0")
-
-
-def _processes_of(flwr_home: str) -> set[int]:
-    """Live processes started for this FLWR_HOME: matches, their sessions, descendants."""
-    table = _proc_table()
-    protected, pid = set(), os.getpid()
-    while pid > 1 and pid not in protected:  # never this test process or its ancestors
-        protected.add(pid)
-        pid = table.get(pid, ("", 1, 0))[1]
-    found = {p for p in table if p not in protected and _belongs_to(p, flwr_home)}
-    sessions = {p for p in found if table[p][2] == p}  # detached leaders (setsid)
-    found |= {p for p, (_, _, sid) in table.items() if sid in sessions}
-    grown = True
-    while grown:
-        children = {p for p, (_, ppid, _) in table.items() if ppid in found} - found
-        found |= children
-        grown = bool(children)
-    return {p for p in found - protected if table[p][0] != "Z"}  # zombies are already dead
-
-
-def _signal_all(pids: set[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def stop_processes(flwr_home: str, grace_s: float = 10.0) -> None:
-    """SIGTERM everything that belongs to `flwr_home`, SIGKILL what is left, verify."""
-    deadline = time.monotonic() + grace_s
-    while (pids := _processes_of(flwr_home)) and time.monotonic() < deadline:
-        _signal_all(pids, signal.SIGTERM)
-        time.sleep(0.5)
-    for _ in range(3):
-        if not (pids := _processes_of(flwr_home)):
-            return
-        _signal_all(pids, signal.SIGKILL)
-        time.sleep(1.0)
-    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in _processes_of(flwr_home)}
-    assert not left, f"processes of FLWR_HOME={flwr_home} survived SIGKILL: {left}"
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -127,7 +59,7 @@ def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
     try:
         yield env
     finally:
-        stop_processes(home)
+        stop_processes(home, grace_s=10.0)
 
 
 def flwr_run(env: dict[str, str], out_dir: Path, overrides: str) -> tuple[int, str, str | None]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 from conftest import free_ports
+from processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "loopback"
@@ -66,64 +67,6 @@ def _tail(path: Path, chars: int = 4000) -> str:
         return ANSI.sub("", path.read_text(errors="replace"))[-chars:]
     except OSError:
         return f"<no {path}>"
-
-
-def _proc_table() -> dict[int, tuple[str, int, int]]:
-    """pid -> (state, ppid, session id) of every visible process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
-            table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
-    return table
-
-
-def _marked(pid: int, marker: bytes) -> bool:
-    """Does `marker` (a path) occur in the process's command line or environment?"""
-    for part in ("cmdline", "environ"):
-        try:
-            if marker in Path(f"/proc/{pid}/{part}").read_bytes():
-                return True
-        except OSError:
-            pass
-    return False
-
-
-def processes_under(marker: str) -> set[int]:
-    """Live processes started for `marker`: matches, the sessions they lead, descendants.
-
-    Never this test process or its ancestors; zombies are skipped (already dead).
-    """
-    table, mark = _proc_table(), marker.encode()
-    protected, pid = set(), os.getpid()
-    while pid > 1 and pid not in protected:
-        protected.add(pid)
-        pid = table.get(pid, ("", 1, 0))[1]
-    found = {p for p in table if p not in protected and _marked(p, mark)}
-    leaders = {p for p in found if table[p][2] == p}
-    found |= {p for p, (_, _, sid) in table.items() if sid in leaders}
-    while children := {p for p, (_, ppid, _) in table.items() if ppid in found} - found:
-        found |= children
-    return {p for p in found - protected if table[p][0] != "Z"}
-
-
-def kill_all_under(marker: str) -> None:
-    """SIGKILL every process of `marker` until none is left; fail loudly if one survives."""
-    for _ in range(10):
-        if not (pids := processes_under(marker)):
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in processes_under(marker)}
-    assert not left, f"processes under {marker} survived SIGKILL: {left}"
 
 
 def _killpg(proc: subprocess.Popen) -> None:
@@ -318,12 +261,12 @@ class LoopbackFederation:
         """SIGKILL SuperNode `i` with its SuperExec and ClientApps (a crash: no goodbye to
         the SuperLink, which marks the node offline only after missed heartbeats)."""
         _killpg(self.nodes[i])
-        kill_all_under(str(self.root / f"node-{i}") + "/")
+        stop_processes(str(self.root / f"node-{i}"))
 
     def close(self) -> None:
         for proc in self.procs:
             _killpg(proc)
-        kill_all_under(str(self.root) + "/")
+        stop_processes(str(self.root))
 
 
 @contextmanager

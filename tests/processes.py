@@ -1,0 +1,82 @@
+"""Finding and stopping the real Flower processes a test started.
+
+Every such process gets a private directory (its FLWR_HOME) in its command line or
+environment; that path is the marker. Flower detaches some of them (the SuperLink's
+SuperExec runs in its own session) and spawns others per run or message, so the
+search follows sessions and descendants too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def _proc_table() -> dict[int, tuple[str, int, int]]:
+    """pid -> (state, ppid, session id) of every visible process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+            table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
+    return table
+
+
+def _marked(pid: int, marker: bytes) -> bool:
+    """Does the path `marker` (as a whole path component) occur in the command line or environment?"""
+    for part in ("cmdline", "environ"):
+        try:
+            data = Path(f"/proc/{pid}/{part}").read_bytes()
+        except OSError:
+            continue
+        if marker + b"/" in data or marker + b"\0" in data:
+            return True
+    return False
+
+
+def processes_under(marker: str) -> set[int]:
+    """Live processes started for `marker`: matches, the sessions they lead, descendants.
+
+    Never this test process or its ancestors; zombies are skipped (already dead).
+    """
+    table, mark = _proc_table(), marker.rstrip("/").encode()
+    protected, pid = set(), os.getpid()
+    while pid > 1 and pid not in protected:
+        protected.add(pid)
+        pid = table.get(pid, ("", 1, 0))[1]
+    found = {p for p in table if p not in protected and _marked(p, mark)}
+    leaders = {p for p in found if table[p][2] == p}
+    found |= {p for p, (_, _, sid) in table.items() if sid in leaders}
+    while children := {p for p, (_, ppid, _) in table.items() if ppid in found} - found:
+        found |= children
+    return {p for p in found - protected if table[p][0] != "Z"}
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_processes(marker: str, grace_s: float = 0.0) -> None:
+    """SIGTERM the processes of `marker` for up to `grace_s`, SIGKILL the rest, and fail
+    loudly if one survives."""
+    deadline = time.monotonic() + grace_s
+    while (pids := processes_under(marker)) and time.monotonic() < deadline:
+        _signal_all(pids, signal.SIGTERM)
+        time.sleep(0.5)
+    for _ in range(10):
+        if not (pids := processes_under(marker)):
+            return
+        _signal_all(pids, signal.SIGKILL)
+        time.sleep(0.2)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in processes_under(marker)}
+    assert not left, f"processes under {marker} survived SIGKILL: {left}"
