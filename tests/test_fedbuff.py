@@ -237,6 +237,17 @@ def test_configure_train_fills_idle_nodes_up_to_the_concurrency(rng):
     assert len(set(tasks)) == 2 and all(m.content["config"]["server-round"] == 0 for m in messages)
 
 
+def test_a_node_that_joins_later_gets_work_on_the_next_pass(rng):
+    grid = InProcessGrid(lambda msg, ctx: msg, num_nodes=2)
+    s = _strategy()
+    _at_versions(s, {0: _model(rng)})
+    for i, msg in enumerate(s.configure_train(0, s.arrays, ConfigRecord(), grid)):
+        _send(s, f"m{i}", msg.metadata.dst_node_id, 0)
+    assert not list(s.configure_train(0, s.arrays, ConfigRecord(), grid))  # both nodes busy
+    grid.contexts[2000] = grid.contexts[1000]  # a SuperNode connects mid-run
+    assert [m.metadata.dst_node_id for m in s.configure_train(0, s.arrays, ConfigRecord(), grid)] == [2000]
+
+
 def test_models_no_task_can_use_are_dropped(rng):
     s = _strategy(buffer_size=1, max_staleness=1)
     _at_versions(s, {0: _model(rng)})
