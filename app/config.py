@@ -27,6 +27,7 @@ STRATEGIES = ("fedavg", "krum", "multikrum", "median", "trimmed_mean", "fedbuff"
 ROBUST_RULES = ("krum", "multikrum", "median", "trimmed_mean")
 BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
 STRAGGLERS = ("none", "fixed", "lognormal")
+PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = ("skip", "fallback")
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
@@ -111,6 +112,22 @@ class AttackConfig:
     scale: float = 1.0
 
 
+@dataclass(unsafe_hash=True)
+class PrivacyConfig:
+    name: str = "none"  # none | central | central_adaptive | local
+    noise_multiplier: float = 1.0  # Gaussian noise std / clip (central: per release; local: per step)
+    clip_norm: float = 1.0  # central: L2 bound of each client update; local: per-example gradient bound
+    delta: float = 1e-5
+    max_epsilon: float = 0.0  # central: stop before a release would exceed it; 0 = no budget
+    poisson_sampling: bool = False  # central: sample each node with probability federation.fraction_train
+    # central_adaptive (Andrew et al. 2021): the clip follows a quantile of update norms
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2  # geometric step of the clip norm per release
+    count_noise: float = 0.0  # std of the noise on the clipped count; 0 = expected cohort / 20
+    # local (DP-SGD in the ClientApp with Opacus)
+    target_epsilon: float = 0.0  # > 0: per-client epsilon over the planned local steps (sets the noise)
+
+
 @dataclass
 class StragglersConfig:
     name: str = "none"
@@ -144,6 +161,7 @@ class Config:
     federation: FederationConfig = field(default_factory=FederationConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     seed: int = 42
     name: str | None = None
     resume: str | None = None
@@ -232,6 +250,8 @@ def validate(cfg: Config) -> Config:
             cfg.federation.fraction_evaluate,
             "strategy=fedbuff evaluates centrally every strategy.eval_every versions; set it to 0",
         )
+
+    _validate_privacy(cfg)
 
     g = cfg.stragglers
     _one_of("stragglers.name", g.name, STRAGGLERS)
@@ -332,6 +352,45 @@ def _validate_fedbuff(s: StrategyConfig) -> None:
     _require(s.eval_every >= 1, "strategy.eval_every", s.eval_every, "must be >= 1")
 
 
+def _validate_privacy(cfg: Config) -> None:
+    p = cfg.privacy
+    _one_of("privacy.name", p.name, PRIVACY)
+    if p.name == "none":
+        return
+    _require(p.noise_multiplier >= 0, "privacy.noise_multiplier", p.noise_multiplier, "must be >= 0")
+    _require(p.clip_norm > 0, "privacy.clip_norm", p.clip_norm, "must be > 0")
+    _require(0 < p.delta < 1, "privacy.delta", p.delta, "must be in (0, 1)")
+    _require(p.max_epsilon >= 0, "privacy.max_epsilon", p.max_epsilon, "must be > 0, or 0 for no budget")
+    _require(0 < p.target_quantile < 1, "privacy.target_quantile", p.target_quantile, "must be in (0, 1)")
+    _require(p.clip_lr > 0, "privacy.clip_lr", p.clip_lr, "must be > 0")
+    _require(p.count_noise >= 0, "privacy.count_noise", p.count_noise, "must be >= 0 (0 = expected cohort / 20)")
+    _require(p.target_epsilon >= 0, "privacy.target_epsilon", p.target_epsilon, "must be > 0, or 0 to use the noise")
+    if p.name.startswith("central"):
+        s = cfg.strategy.name
+        aggregator = cfg.strategy.buffer_aggregator if s == "fedbuff" else s
+        _require(
+            aggregator in ("fedavg", "mean"),
+            "privacy.name",
+            p.name,
+            f"central DP has no standard sensitivity bound for {aggregator} (a robust rule's output can move by "
+            "more than one clipped update); use strategy=fedavg or fedbuff with buffer_aggregator=mean, or privacy=local",
+        )
+        _require(p.noise_multiplier > 0, "privacy.noise_multiplier", p.noise_multiplier, "central DP needs noise > 0")
+        _require(
+            not (s == "fedbuff" and p.poisson_sampling),
+            "privacy.poisson_sampling",
+            True,
+            "FedBuff releases are accounted with q = 1 (its cohort is whoever answers first)",
+        )
+    if p.name == "local":
+        _require(
+            p.noise_multiplier > 0 or p.target_epsilon > 0,
+            "privacy.noise_multiplier",
+            p.noise_multiplier,
+            "local DP-SGD needs noise > 0 or privacy.target_epsilon > 0",
+        )
+
+
 def load_config(overrides: str | list[str] = "") -> tuple[Config, DictConfig]:
     """Compose, type-check and validate; returns the typed config and the resolved tree."""
     raw = compose_config(overrides)
@@ -346,6 +405,7 @@ CLIENT_SECTIONS = {
     "model": ModelConfig,
     "train": TrainConfig,
     "attack": AttackConfig,
+    "privacy": PrivacyConfig,
 }
 
 
@@ -358,6 +418,7 @@ class ClientSettings:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     seed: int = 42
 
     @classmethod
