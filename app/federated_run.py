@@ -29,6 +29,7 @@ from app.models import build_model
 from app.results import RunRecorder, new_run_dir
 from app.stragglers import client_record, straggler_factors
 from app.training import evaluate, resolve_device, resolve_precision
+from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, PrivacyBudgetExhausted
 from strategies.coordinatewise import CoordinateMedian, TrimmedMean
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff, VersionReport
@@ -37,6 +38,8 @@ from strategies.robust import RobustStrategy
 from strategies.staleness import staleness_fn
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
+
+LOCAL_EPSILON_KEY = "dp-epsilon"  # cumulative sample-level epsilon a local-DP client reports
 
 
 def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> RobustStrategy:
@@ -48,6 +51,22 @@ def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> Robus
     if name == "median":
         return CoordinateMedian(**robust)
     return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
+
+
+def central_dp(cfg: Config) -> CentralDP | None:
+    """The central-DP mechanism the privacy settings ask for (None without central DP)."""
+    p = cfg.privacy
+    if not p.name.startswith("central"):
+        return None
+    adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise) if p.name == "central_adaptive" else None
+    return CentralDP(
+        noise_multiplier=p.noise_multiplier,
+        clip_norm=p.clip_norm,
+        delta=p.delta,
+        sample_rate=cfg.federation.fraction_train if p.poisson_sampling else 1.0,
+        max_epsilon=p.max_epsilon,
+        adaptive=adaptive,
+    )
 
 
 def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
@@ -62,6 +81,9 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
         "message_ttl_s": f.message_ttl_s,
         "device": device,
     }
+    dp = central_dp(cfg)
+    if st.name == "fedavg" and dp is not None:
+        return DPFedAvg(dp=dp, poisson=cfg.privacy.poisson_sampling, **common)
     if st.name == "fedavg":
         return FedAvg(**common)
     if st.name in ROBUST_RULES:
@@ -70,7 +92,9 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
         rule = None if st.buffer_aggregator == "mean" else _robust_rule(st.buffer_aggregator, st, common)
         if rule is not None and (problem := rule.too_few(st.buffer_size)):
             raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
-        return FedBuff(
+        kind, extra = (FedBuff, {}) if dp is None else (DPFedBuff, {"dp": dp})
+        return kind(
+            **extra,
             buffer_size=st.buffer_size,
             concurrency=st.concurrency,
             max_staleness=st.max_staleness,
@@ -117,6 +141,16 @@ def node_partitions(replies: list[Message]) -> dict[str, int]:
                 if isinstance(record.get("partition-id"), int):
                     out[str(msg.metadata.src_node_id)] = record["partition-id"]
     return out
+
+
+def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
+    """(node id, metrics) of every successful reply."""
+    return [
+        (msg.metadata.src_node_id, record)
+        for msg in replies
+        if not msg.has_error()
+        for record in msg.content.metric_records.values()
+    ]
 
 
 def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> None:
@@ -214,8 +248,19 @@ class FederatedRun:
             **to_client_record(cfg),
             **spec_to_record(spec),
             **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
+            "federation.rounds": cfg.federation.rounds,  # local DP plans its noise over all rounds
         }
         self.stop_reason = "rounds"
+        self.dp: CentralDP | None = getattr(self.strategy, "dp", None)
+        self.client_epsilons: dict[int, float] = {}  # local DP: each node's latest cumulative epsilon
+        if self.dp is not None and self.dp.delta >= 1 / len(self.nodes):
+            log.warning(
+                "privacy.delta=%g >= 1/population = 1/%d: a mechanism that leaks one whole client with "
+                "probability delta would satisfy this guarantee; use delta well below %.2g",
+                self.dp.delta,
+                len(self.nodes),
+                1 / len(self.nodes),
+            )
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.started
@@ -239,7 +284,51 @@ class FederatedRun:
             log.info("stopping after round %d: %s", rnd, self.stop_reason)
         return True
 
-    def finish_round(self, rnd: int, row: dict[str, Any]) -> None:
+    def privacy_row(self, client_metrics: list[tuple[int, MetricRecord]]) -> dict[str, Any]:
+        """This round's privacy numbers: central epsilon and clip, or local DP epsilons per client."""
+        if self.dp is not None:
+            return {
+                "epsilon": self.dp.epsilon(),
+                "clip_norm": self.dp.clip_norm,
+                "clipped_fraction": self.dp.last_clipped_fraction,
+                "releases": self.dp.releases,
+            }
+        if self.cfg.privacy.name != "local":
+            return {}
+        for node, metrics in client_metrics:
+            if isinstance(metrics.get(LOCAL_EPSILON_KEY), float):
+                self.client_epsilons[node] = float(metrics[LOCAL_EPSILON_KEY])
+        eps = list(self.client_epsilons.values())
+        return {"client_epsilon_max": max(eps), "client_epsilon_mean": sum(eps) / len(eps)} if eps else {}
+
+    def privacy_summary(self) -> dict[str, Any]:
+        p = self.cfg.privacy
+        if self.dp is not None:
+            return self.dp.summary()
+        if p.name == "local":
+            eps = list(self.client_epsilons.values())
+            return {
+                "mechanism": "local DP-SGD (Opacus), sample-level per client",
+                "client_epsilon_max": max(eps) if eps else None,
+                "client_epsilon_mean": sum(eps) / len(eps) if eps else None,
+                "delta": p.delta,
+                "noise_multiplier": p.noise_multiplier,
+                "target_epsilon": p.target_epsilon or None,
+                "clip_norm": p.clip_norm,
+            }
+        return {"mechanism": "none"}
+
+    def finish_round(self, rnd: int, row: dict[str, Any], client_metrics: list[tuple[int, MetricRecord]]) -> None:
+        row.update(self.privacy_row(client_metrics))
+        if "epsilon" in row or "client_epsilon_max" in row:
+            log.info(
+                "[%s %d] privacy: %s",
+                "version" if "version" in row else "round",
+                rnd,
+                f"epsilon {row['epsilon']:.3f} (delta {self.dp.delta:g}), clip {row['clip_norm']:.4g}"
+                if self.dp is not None
+                else f"client epsilon max {row['client_epsilon_max']:.3f}, mean {row['client_epsilon_mean']:.3f}",
+            )
         self.recorder.log_round(row)
         save_checkpoint(
             self.recorder.checkpoint_path,
@@ -285,7 +374,7 @@ class FederatedRun:
                 "train": dict(train_metrics) if train_metrics else {},
                 "federated_eval": dict(fed_eval) if fed_eval else {},
             }
-            self.finish_round(rnd, row)
+            self.finish_round(rnd, row, reply_metrics(replies))
             log.info(
                 "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
                 rnd,
@@ -338,7 +427,7 @@ class FederatedRun:
                 "train": dict(report.metrics) if report.metrics else {},
             }
             last = now
-            self.finish_round(v, row)
+            self.finish_round(v, row, report.client_metrics)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
@@ -368,10 +457,14 @@ class FederatedRun:
     def run(self) -> dict[str, Any]:
         status = "failed"
         try:
-            if isinstance(self.strategy, FedBuff):
-                self.run_versions()
-            else:
-                self.run_rounds()
+            try:
+                if isinstance(self.strategy, FedBuff):
+                    self.run_versions()
+                else:
+                    self.run_rounds()
+            except PrivacyBudgetExhausted as err:
+                self.stop_reason = str(err)
+                log.warning("stopping: %s; the saved model is the last one released within the budget", err)
             status = "completed"
         finally:
             torch.save(self.arrays.to_torch_state_dict(), self.recorder.final_model_path)
@@ -384,6 +477,7 @@ class FederatedRun:
                 "stop_reason": self.stop_reason if status == "completed" else None,
                 "attack": {**asdict(cfg.attack), "malicious_partitions": self.attacked},
                 "stragglers": {**asdict(cfg.stragglers), "slowdown_per_partition": self.slowdowns},
+                "privacy": self.privacy_summary(),
                 "final_model": str(self.recorder.final_model_path),
                 "checkpoint": str(self.recorder.checkpoint_path),
             }

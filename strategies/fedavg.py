@@ -104,8 +104,7 @@ class FedAvg(Strategy):
     ) -> list[Message]:
         if fraction == 0.0:
             return []
-        wanted = max(int(len(list(grid.get_node_ids())) * fraction), minimum)
-        node_ids, _ = sample_nodes(grid, max(self.min_available_nodes, wanted), wanted)
+        node_ids = self.select_nodes(grid, fraction, minimum, kind)
         config["server-round"] = server_round
         content = RecordDict({"arrays": arrays, "config": config})
         return [
@@ -114,6 +113,12 @@ class FedAvg(Strategy):
             )
             for node in node_ids
         ]
+
+    def select_nodes(self, grid: Grid, fraction: float, minimum: int, kind: str) -> list[int]:
+        """`fraction` of the connected nodes (at least `minimum`), sampled the way Flower does."""
+        wanted = max(int(len(list(grid.get_node_ids())) * fraction), minimum)
+        node_ids, _ = sample_nodes(grid, max(self.min_available_nodes, wanted), wanted)
+        return list(node_ids)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -76,6 +76,7 @@ class VersionReport:
     failed: list[Rejection] = field(default_factory=list)  # error replies and timeouts since the previous version
     robust: dict[str, Any] | None = None  # the robust buffer rule's picks
     metrics: MetricRecord | None = None  # clients' training metrics, weighted
+    client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)  # per applied update
 
 
 def _update_dtype(t: torch.Tensor) -> torch.dtype:
@@ -325,7 +326,9 @@ class FedBuff(Strategy):
             for r in self.buffer
             if r.node_id not in excluded
         ]
-        report.metrics = weighted_metrics([r for r in self.buffer if r.node_id not in excluded])
+        used = [r for r in self.buffer if r.node_id not in excluded]
+        report.metrics = weighted_metrics(used)
+        report.client_metrics = [(r.node_id, r.metrics) for r in used]
         self.version += 1
         report.version = self.version
         self._arrays = tensors_to_record(new, consume=True)
