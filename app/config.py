@@ -197,7 +197,13 @@ def compose_config(overrides: str | list[str] = "") -> DictConfig:
         unknown = [i for i in items if f"override '{i.partition('=')[0]}'" in text]
         if unknown:
             key = unknown[0].partition("=")[0]
-            raise ConfigError(f"{key} is not a config key (typo?); the keys of each group are in conf/") from err
+            group = key.partition(".")[0]
+            chosen = next((i.partition("=")[2] for i in items if i.partition("=")[0] == group), None)
+            where = f" of {group}={chosen}" if chosen else ""
+            raise ConfigError(
+                f"{key} is not a config key{where} (typo, or a key of another {group} option?); "
+                f"the keys of each option are in conf/{group}/"
+            ) from err
         raise ConfigError(f"bad override in {items}: {text.splitlines()[0]}") from err
     finally:
         GlobalHydra.instance().clear()
