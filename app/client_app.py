@@ -97,6 +97,10 @@ def prepare_job(msg: Message, context: Context) -> Job:
     precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
+    if settings.privacy.name == "local":
+        from app.local_dp import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
+
+        model = make_private_compatible(model)  # the server's global model went through it too
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     return Job(record, settings, spec, precision, train_data, val_data, prepare_model(model, precision))
 
@@ -122,7 +126,14 @@ def train_handler(msg: Message, context: Context) -> Message:
         train_data = ImageTensors(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
-        stats = train(job.model, train_data, settings.train, job.precision, seed)
+        if settings.privacy.name == "local":
+            from app.local_dp import train_private
+
+            stats, dp_metrics = train_private(
+                job.model, train_data, settings.train, settings.privacy, job.precision, context.state, job.record
+            )
+        else:
+            stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed), {}
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int] = {
         "num-examples": stats.num_examples,
@@ -133,6 +144,7 @@ def train_handler(msg: Message, context: Context) -> Message:
         "steps": stats.steps,
         "straggler-delay-s": delay,
         **telemetry.metrics(),
+        **dp_metrics,
     }
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb

@@ -390,6 +390,13 @@ def _validate_privacy(cfg: Config) -> None:
         )
     if p.name == "local":
         _require(
+            not (cfg.strategy.name == "fedbuff" and p.target_epsilon > 0),
+            "privacy.target_epsilon",
+            p.target_epsilon,
+            "plans each client's noise over federation.rounds tasks, but a FedBuff node may train more often; "
+            "with strategy=fedbuff set privacy.noise_multiplier instead (epsilon is still reported per client)",
+        )
+        _require(
             p.noise_multiplier > 0 or p.target_epsilon > 0,
             "privacy.noise_multiplier",
             p.noise_multiplier,

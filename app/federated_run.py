@@ -195,6 +195,10 @@ class FederatedRun:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
         self.model = build_model(cfg.model, spec)
+        if cfg.privacy.name == "local":  # the clients train the Opacus-compatible model: same keys here
+            from app.local_dp import make_private_compatible
+
+            self.model = make_private_compatible(self.model)
         self.arrays = ArrayRecord(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
         self.first_round, self.elapsed_before = 1, 0.0

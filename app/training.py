@@ -121,7 +121,8 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, device: t
     return batches
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so host timers measure it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -150,7 +151,7 @@ def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Pre
     labels: list[torch.Tensor] = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(cfg.epochs):
         for idx in batch_indices(len(data), cfg.batch_size, generator, device):
@@ -174,8 +175,23 @@ def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Pre
             losses.append(loss.detach())
             outputs.append(logits.detach())
             labels.append(yb)
-    _sync(device)
-    wall = time.perf_counter() - start
+    synchronize(device)
+    return train_stats(losses, outputs, labels, len(data), time.perf_counter() - start, device)
+
+
+def train_stats(
+    losses: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    num_examples: int,
+    wall: float,
+    device: torch.device,
+    steps: int | None = None,
+) -> TrainStats:
+    """Tally the kept per-step mean losses, logits and labels once, after the loop.
+
+    `steps` defaults to the number of kept batches (DP-SGD also steps on empty batches).
+    """
     seen = sum(len(y) for y in labels)
     if seen:
         sizes = torch.tensor([len(y) for y in labels], dtype=torch.float32)
@@ -187,8 +203,8 @@ def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Pre
     return TrainStats(
         loss=loss_mean,
         accuracy=accuracy,
-        num_examples=len(data),
-        steps=len(labels),
+        num_examples=num_examples,
+        steps=len(labels) if steps is None else steps,
         samples_per_s=seen / wall if wall > 0 else 0.0,
         wall_time_s=wall,
         peak_gpu_mem_mb=peak,

@@ -201,6 +201,7 @@ def test_resume_continues_the_accountant_without_double_counting(tmp_path):
         ("privacy=central_adaptive privacy.target_quantile=1.5", "privacy.target_quantile"),
         ("privacy=central strategy=fedbuff privacy.poisson_sampling=true", "privacy.poisson_sampling"),
         ("privacy=laplace", "privacy"),
+        ("privacy=local strategy=fedbuff privacy.target_epsilon=5", "privacy.target_epsilon"),
     ],
 )
 def test_refused_combinations_and_bad_values_name_the_key(overrides, match):

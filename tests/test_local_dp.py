@@ -1,0 +1,245 @@
+"""Local DP-SGD (privacy=local): per-client accounting across rounds, target ε, model compatibility."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from conftest import context_for
+from dp_accounting.rdp import RdpAccountant
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from opacus.accountants import RDPAccountant
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch import nn
+
+from app.client_app import app as client_app
+from app.config import (
+    Config,
+    ConfigError,
+    DatasetConfig,
+    ModelConfig,
+    PrivacyConfig,
+    TrainConfig,
+    load_config,
+    to_client_record,
+)
+from app.data import DataSpec, ImageTensors, load_splits, materialize, spec_to_record
+from app.federated_run import run_federation
+from app.local_dp import (
+    ACCOUNTANT_STATE,
+    PrivacyBudgetSpent,
+    dp_generators,
+    make_private_compatible,
+    noise_for_target,
+    private_precision,
+    train_private,
+)
+from app.local_grid import InProcessGrid
+from app.models import build_model
+from app.training import Precision, resolve_precision, train
+
+DIGITS = DataSpec(1, 8, 8, 10)
+LOG = "flwr.fedgpu.app.local_dp"
+CPU = resolve_precision("off", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def digits() -> ImageTensors:
+    source, _ = load_splits(DatasetConfig(), seed=0)
+    return materialize(source)
+
+
+def _train(cfg: Config, context: Context, server_round: int, extra: dict | None = None) -> Message:
+    """One real ClientApp train round on the server's (DP-compatible) initial model."""
+    torch.manual_seed(0)
+    model = make_private_compatible(build_model(cfg.model, DIGITS))
+    record = {**to_client_record(cfg), **spec_to_record(DIGITS), "server-round": server_round, **(extra or {})}
+    ins = Message(
+        RecordDict({"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord(record)}),
+        dst_node_id=context.node_id,
+        message_type="train",
+    )
+    ins.metadata.__dict__["_message_id"] = f"r{server_round}"
+    return client_app(ins, context)
+
+
+def _opacus_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, q, steps)]
+    return accountant.get_epsilon(delta)
+
+
+def _dp_accounting_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """Google's dp-accounting on Opacus's RDP orders >= 2 (it fails to converge below)."""
+    accountant = RdpAccountant(orders=[a for a in RDPAccountant.DEFAULT_ALPHAS if a >= 2])
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return accountant.get_epsilon(delta)
+
+
+def test_client_epsilon_rises_every_round_and_matches_the_accountants():
+    cfg, _ = load_config("privacy=local privacy.noise_multiplier=1.1 train.epochs=1 seed=3")
+    context = context_for(0, 3)
+    metrics = [_train(cfg, context, rnd).content["metrics"] for rnd in (1, 2, 3)]
+    epsilons = [m["dp-epsilon"] for m in metrics]
+    assert epsilons[0] > 0 and epsilons[0] < epsilons[1] < epsilons[2]
+    n = metrics[0]["num-examples"]
+    q, per_round = cfg.train.batch_size / n, n // cfg.train.batch_size
+    assert [m["dp-steps"] for m in metrics] == [per_round, 2 * per_round, 3 * per_round]
+    assert all(m["dp-noise-multiplier"] == 1.1 and m["steps"] == per_round for m in metrics)
+    for rnd, eps in enumerate(epsilons, start=1):
+        expected = _opacus_epsilon(1.1, q, rnd * per_round, cfg.privacy.delta)
+        assert eps == pytest.approx(expected, rel=0.01)
+        assert eps == pytest.approx(_dp_accounting_epsilon(1.1, q, rnd * per_round, cfg.privacy.delta), rel=0.01)
+    history = context.state[ACCOUNTANT_STATE]
+    assert history["noise-multipliers"] == [1.1] and history["steps"] == [3 * per_round]
+    assert history["sample-rates"] == [pytest.approx(q)]
+
+
+def test_target_epsilon_is_spent_over_the_planned_rounds_and_not_beyond():
+    cfg, _ = load_config("privacy=local privacy.target_epsilon=2.0 train.epochs=1 seed=3")
+    context = context_for(1, 3)
+    planned = {"federation.rounds": 2}
+    first, second = (_train(cfg, context, rnd, planned).content["metrics"] for rnd in (1, 2))
+    assert first["dp-noise-multiplier"] == second["dp-noise-multiplier"] > 0
+    assert first["dp-epsilon"] < second["dp-epsilon"] <= 2.0
+    assert second["dp-epsilon"] >= 0.9 * 2.0
+    with pytest.raises(PrivacyBudgetSpent, match=r"privacy.target_epsilon=2.0: this node has taken \d+ of its"):
+        _train(cfg, context, 3, planned)
+
+
+def test_unreachable_or_unplanned_target_epsilon_is_refused_naming_the_key():
+    cfg, _ = load_config("privacy=local privacy.target_epsilon=0.001 train.epochs=1")
+    with pytest.raises(ConfigError, match=r"privacy.target_epsilon=0.001 cannot be reached"):
+        _train(cfg, context_for(0, 3), 1, {"federation.rounds": 5})
+    with pytest.raises(ConfigError, match=r"privacy.target_epsilon=0.001 needs .* no 'federation.rounds'"):
+        _train(cfg, context_for(0, 3), 1)
+    with pytest.raises(ConfigError, match="privacy.target_epsilon=1.0 cannot be reached"):
+        noise_for_target(1.0, 1e-5, 1.0, 1000)  # full-batch steps: no amplification to help
+
+
+def test_noise_and_batch_draws_cannot_be_replayed_from_the_run_seed():
+    """The server knows the run's seed: DP randomness drawn from it would protect nothing."""
+    cfg, _ = load_config("privacy=local train.epochs=1 seed=3")
+    a, b = (_train(cfg, context_for(2, 3), 1).content["arrays"].to_torch_state_dict() for _ in range(2))
+    assert not torch.equal(a["net.12.weight"], b["net.12.weight"])
+
+
+def test_cnn_reply_has_exactly_the_server_models_keys_and_shapes():
+    cfg, _ = load_config("privacy=local train.epochs=1")
+    server = build_model(cfg.model, DIGITS)  # GroupNorm already: make_private_compatible keeps every key
+    reply = _train(cfg, context_for(2, 3), 1).content["arrays"].to_torch_state_dict()
+    assert {k: v.shape for k, v in reply.items()} == {k: v.shape for k, v in server.state_dict().items()}
+
+
+def test_resnet18_is_fixed_to_groupnorm_logged_and_trains_on_the_server_models_keys(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger=LOG):
+        server = make_private_compatible(build_model(ModelConfig(name="resnet18", width=64), DIGITS))
+    assert "ModuleValidator.fix replaced 20 x BatchNorm2d → GroupNorm" in caplog.text
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in server.modules())
+    assert not any(k.endswith("running_mean") for k in server.state_dict())
+    # A deployed node with 10 images: 9 to train on, 2 DP-SGD steps of about 4.
+    rng = np.random.default_rng(0)
+    np.savez(
+        path := tmp_path / "site.npz", x=rng.integers(0, 255, (10, 8, 8), dtype=np.uint8), y=rng.integers(0, 10, 10)
+    )
+    cfg, _ = load_config("privacy=local model=resnet18 train.epochs=1 train.batch_size=4")
+    record = {**to_client_record(cfg), **spec_to_record(DIGITS), "server-round": 1}
+    ins = Message(
+        RecordDict({"arrays": ArrayRecord(server.state_dict()), "config": ConfigRecord(record)}),
+        dst_node_id=7,
+        message_type="train",
+    )
+    ins.metadata.__dict__["_message_id"] = "resnet"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOG):
+        reply = client_app(ins, context_for(0, 1, node_config={"data-path": str(path)}))
+    assert "per-example gradients by ExpandedWeights" in caplog.text  # `out += identity` rules out hooks
+    assert reply.content["metrics"]["dp-steps"] == 2
+    arrays = reply.content["arrays"].to_torch_state_dict()
+    assert {k: v.shape for k, v in arrays.items()} == {k: v.shape for k, v in server.state_dict().items()}
+
+
+def test_empty_poisson_batches_still_take_a_noised_accounted_step(digits):
+    data = ImageTensors(digits.x[:20], digits.y[:20])
+    sampling, _ = dp_generators(torch.device("cpu"), seed=5)
+    batches = UniformWithReplacementSampler(num_samples=20, sample_rate=0.05, generator=sampling, steps=20)
+    assert any(not b for b in batches)  # this seed draws empty batches
+    model = make_private_compatible(build_model(ModelConfig(), DIGITS))
+    before = [p.detach().clone() for p in model.parameters()]
+    state = RecordDict()
+    stats, metrics = train_private(
+        model, data, TrainConfig(epochs=1, batch_size=1), PrivacyConfig(), CPU, state, {}, seed=5
+    )
+    assert stats.steps == metrics["dp-steps"] == 20
+    assert metrics["dp-epsilon"] == pytest.approx(_opacus_epsilon(1.0, 0.05, 20, 1e-5), rel=1e-9)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_bf16_autocast_keeps_every_clipped_gradient_within_clip_norm(digits):
+    """Opacus takes per-example norms in the grad samples' dtype; in bf16 they are off by up to
+    0.4%, so a clipped gradient can exceed the bound unless it is clipped in fp32."""
+    clip = 0.1  # well below these gradients' norms: every example is clipped
+    for i in range(8):
+        torch.manual_seed(0)
+        model = make_private_compatible(build_model(ModelConfig(), DIGITS))
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        train_private(
+            model,
+            ImageTensors(digits.x[i : i + 1], digits.y[i : i + 1]),  # q = 1: one step on this one example
+            TrainConfig(epochs=1, batch_size=1, lr=1.0, momentum=0.0),
+            PrivacyConfig(noise_multiplier=0.0, clip_norm=clip),
+            resolve_precision("bf16", torch.device("cpu")),
+            RecordDict(),
+            {},
+        )
+        step = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+        assert clip * 0.99 < float(step.norm()) <= clip * (1 + 1e-4)
+
+
+def test_amp_is_kept_only_where_opacus_supports_it(caplog):
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger=LOG):
+        assert private_precision(Precision(cuda, "bf16"), hooks=True).amp == "bf16"
+        assert private_precision(Precision(cuda, "fp16"), hooks=True).amp == "off"
+        assert "train.amp=fp16 falls back to fp32: fp16 needs a GradScaler" in caplog.text
+        assert private_precision(Precision(cuda, "bf16"), hooks=False).amp == "off"
+        assert "ExpandedWeights does not run under autocast" in caplog.text
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_noiseless_unclipped_full_batch_step_is_exactly_plain_sgd(digits, channels_last):
+    """Summed per-example gradients must equal the batch gradient. Opacus 1.6 gets conv ones wrong on
+    channels_last activations: a CUDA model (prepare_model), or digits, whose 1-channel strides read so."""
+    data = ImageTensors(digits.x[:64], digits.y[:64])
+    cfg = TrainConfig(epochs=1, batch_size=64, lr=1.0, momentum=0.0)  # q = 1: one step on all 64
+    torch.manual_seed(0)
+    reference = build_model(ModelConfig(), DIGITS)
+    private = make_private_compatible(copy.deepcopy(reference))
+    if channels_last:
+        private = private.to(memory_format=torch.channels_last)
+    train(reference, data, cfg, CPU, seed=0)
+    train_private(private, data, cfg, PrivacyConfig(noise_multiplier=0.0, clip_norm=1e6), CPU, RecordDict(), {})
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(private.state_dict()[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_federation_with_local_dp_reports_client_epsilon(tmp_path):
+    cfg, raw = load_config("privacy=local federation.rounds=2 train.epochs=1")
+    summary = run_federation(InProcessGrid(client_app, 3), cfg, raw, tmp_path)
+    assert summary["status"] == "completed"
+    with open(f"{summary['run_dir']}/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["num_clients"] for r in rows] == [3, 3]
+    assert 0 < rows[0]["train"]["dp-epsilon"] < rows[1]["train"]["dp-epsilon"]
+    # the server summarises the clients' cumulative epsilons: largest and mean
+    for row in rows:
+        assert row["client_epsilon_max"] >= row["client_epsilon_mean"] - 1e-9 and row["client_epsilon_mean"] > 0
+    assert rows[1]["client_epsilon_max"] > rows[0]["client_epsilon_max"]
+    privacy = summary["privacy"]
+    assert privacy["client_epsilon_max"] == pytest.approx(rows[-1]["client_epsilon_max"])
+    assert privacy["mechanism"].startswith("local DP-SGD") and privacy["delta"] == cfg.privacy.delta
