@@ -48,8 +48,10 @@ from app.training import (
     to_device,
     train_stats,
 )
+from strategies.opacus_logging import remove_opacus_root_handler
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
+remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
 
 ACCOUNTANT_STATE = "local-dp-accountant"  # ConfigRecord in context.state: noise-multipliers, sample-rates, steps
 ROUNDS_KEY = "federation.rounds"  # message config: the rounds the server plans (needed by privacy.target_epsilon)
@@ -257,6 +259,14 @@ def train_private(
     n = len(data)
     if n == 0:
         raise ValueError("privacy=local: this node has no training examples")
+    if privacy.delta >= 1 / n:
+        log.warning(
+            "privacy.delta=%g >= 1/%d (this node's examples): a mechanism that leaks one whole example with "
+            "probability delta would satisfy this guarantee; use delta well below %.2g",
+            privacy.delta,
+            n,
+            1 / n,
+        )
     q, round_steps = sample_rate(n, cfg.batch_size), steps_per_round(n, cfg)
     sigma, planned = noise_for_round(privacy, record, q, round_steps)
     accountant = load_accountant(state)

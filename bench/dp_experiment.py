@@ -57,9 +57,9 @@ GROUPS = {
         10,
         [
             ("non-private", ""),
+            ("local z=0.3", "privacy=local privacy.noise_multiplier=0.3"),
             ("local z=0.5", "privacy=local privacy.noise_multiplier=0.5"),
             ("local z=1", "privacy=local privacy.noise_multiplier=1.0"),
-            ("local z=2", "privacy=local privacy.noise_multiplier=2.0"),
         ],
     ),
 }

@@ -43,11 +43,13 @@ from opacus.accountants import RDPAccountant
 
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
+from strategies.opacus_logging import remove_opacus_root_handler
 from strategies.replies import Screened
 from strategies.robust_ops import apply_update, float_keys
 from strategies.tensor_ops import TensorDict
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
+remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
 
 
 class PrivacyBudgetExhausted(RuntimeError):
