@@ -44,6 +44,7 @@ from app.training import (
     autocast,
     make_optimizer,
     model_inputs,
+    start_clock,
     synchronize,
     to_device,
     train_stats,
@@ -294,10 +295,7 @@ def train_private(
     losses: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    synchronize(device)
-    start = time.perf_counter()
+    start = start_clock(device)
     try:
         for batch in sampler:
             optimizer.zero_grad(set_to_none=True)

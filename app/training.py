@@ -134,6 +134,14 @@ def autocast(precision: Precision) -> contextlib.AbstractContextManager:
     return torch.autocast(precision.device.type, dtype=precision.dtype)
 
 
+def start_clock(device: torch.device) -> float:
+    """Reset the peak-memory counter, drain queued GPU work and start timing a training loop."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    return time.perf_counter()
+
+
 def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Precision, seed: int) -> TrainStats:
     """`cfg.epochs` epochs of mini-batch training; the model is updated in place.
 
@@ -149,10 +157,7 @@ def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Pre
     losses: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    synchronize(device)
-    start = time.perf_counter()
+    start = start_clock(device)
     for _ in range(cfg.epochs):
         for idx in batch_indices(len(data), cfg.batch_size, generator, device):
             xb, yb = model_inputs(on_device.x[idx], precision), on_device.y[idx]
