@@ -1,0 +1,178 @@
+"""Credentials for a secure deployment: a CA, the SuperLink's TLS certificate, SuperNode
+key pairs and the `flwr` CLI's connection entry.
+
+    python scripts/credentials.py tls --out certs --dns superlink.example.org --ip 203.0.113.7
+    python scripts/credentials.py node-keys --out keys --names lab-a lab-b lab-c
+    python scripts/credentials.py flwr-config --name cloud --address superlink.example.org:9092 \
+        --root-certificates certs/ca.crt
+
+`tls` writes `ca.crt` / `ca.key` (keep the key offline), `superlink.crt` /
+`superlink.key` (for `flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile
+superlink.crt --ssl-keyfile superlink.key`); the certificate's subject alternative
+names are exactly the DNS names and IPs given, which is what clients check. `node-keys`
+writes ECDSA P-384 key pairs in OpenSSH format (`<name>` and `<name>.pub`), the kind
+`flower-supernode --auth-supernode-private-key` loads and `flwr supernode register
+<name>.pub <connection>` registers. `flwr-config` adds a `[superlink.<name>]` entry to
+`$FLWR_HOME/config.toml` (default ~/.flwr) so that `flwr run . <name>` reaches it.
+
+Written with `cryptography` (already a Flower dependency) rather than shell + openssl,
+so it runs the same on every OS and is testable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import ipaddress
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID_DAYS = 825  # the longest validity clients commonly accept for a server certificate
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    if private:
+        path.chmod(0o600)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def make_tls(out: Path, dns: Sequence[str], ips: Sequence[str], days: int = VALID_DAYS) -> dict[str, Path]:
+    """A fresh CA and a SuperLink certificate signed by it, for the given DNS names and IPs."""
+    if not dns and not ips:
+        raise ValueError("give the SuperLink's DNS names (--dns) and/or IP addresses (--ip): clients check them")
+    addresses = [ipaddress.ip_address(ip) for ip in ips]  # ValueError names a malformed address
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("fedgpu federation CA"))
+        .issuer_name(_name("fedgpu federation CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )  # key_cert_sign, crl_sign
+        .sign(ca_key, hashes.SHA384())
+    )
+    key = ec.generate_private_key(ec.SECP384R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns] + [x509.IPAddress(a) for a in addresses]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(dns[0] if dns else ips[0]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    paths = {
+        "ca_cert": out / "ca.crt",
+        "ca_key": out / "ca.key",
+        "cert": out / "superlink.crt",
+        "key": out / "superlink.key",
+    }
+    _write(paths["ca_cert"], ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write(paths["ca_key"], _pem_key(ca_key), private=True)
+    _write(paths["cert"], cert.public_bytes(serialization.Encoding.PEM))
+    _write(paths["key"], _pem_key(key), private=True)
+    return paths
+
+
+def make_node_keys(out: Path, names: Sequence[str]) -> list[tuple[Path, Path]]:
+    """ECDSA P-384 key pairs in OpenSSH format, one per SuperNode: (private, public) paths."""
+    pairs = []
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise ValueError(f"node name {name!r}: use letters, digits, '.', '_' or '-' (it becomes a file name)")
+        key = ec.generate_private_key(ec.SECP384R1())
+        private = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        )
+        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        priv_path, pub_path = out / name, out / f"{name}.pub"
+        _write(priv_path, private, private=True)
+        _write(pub_path, public + f" {name}\n".encode())
+        pairs.append((priv_path, pub_path))
+    return pairs
+
+
+def write_flwr_config(name: str, address: str, root_certificates: Path | None, flwr_home: Path) -> Path:
+    """Add (or replace) `[superlink.<name>]` in `flwr_home/config.toml`."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"connection name {name!r}: use letters, digits, '_' or '-'")
+    if not re.fullmatch(r"\[?[^\s\[\]]+\]?:\d+", address):
+        raise ValueError(f"address {address!r}: expected HOST:PORT, e.g. superlink.example.org:9092")
+    lines = [f"[superlink.{name}]", f'address = "{address}"']
+    if root_certificates is None:
+        lines.append("insecure = true")
+    else:
+        if not root_certificates.is_file():
+            raise ValueError(f"root certificates {root_certificates} do not exist")
+        lines.append(f'root-certificates = "{root_certificates.resolve()}"')
+    entry = "\n".join(lines) + "\n"
+    path = flwr_home / "config.toml"
+    text = path.read_text() if path.exists() else ""
+    # Drop an existing entry of the same name (up to the next table header).
+    text = re.sub(rf"(?ms)^\[superlink\.{re.escape(name)}\]\n.*?(?=^\[|\Z)", "", text).rstrip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text((text + "\n\n" if text else "") + entry)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    tls = sub.add_parser("tls", help="a CA and the SuperLink's certificate")
+    tls.add_argument("--out", type=Path, required=True)
+    tls.add_argument("--dns", nargs="*", default=[], help="the SuperLink's DNS names")
+    tls.add_argument("--ip", nargs="*", default=[], help="the SuperLink's IP addresses")
+    tls.add_argument("--days", type=int, default=VALID_DAYS)
+    keys = sub.add_parser("node-keys", help="ECDSA P-384 key pairs for SuperNodes")
+    keys.add_argument("--out", type=Path, required=True)
+    keys.add_argument("--names", nargs="+", required=True)
+    cfg = sub.add_parser("flwr-config", help="a [superlink.<name>] entry for the flwr CLI")
+    cfg.add_argument("--name", required=True)
+    cfg.add_argument("--address", required=True, help="HOST:PORT of the SuperLink")
+    cfg.add_argument("--root-certificates", type=Path, default=None, help="the CA certificate (omit: insecure)")
+    cfg.add_argument("--flwr-home", type=Path, default=Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")))
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "tls":
+            for what, path in make_tls(args.out, args.dns, args.ip, args.days).items():
+                print(f"{what}: {path}")
+        elif args.command == "node-keys":
+            for private, public in make_node_keys(args.out, args.names):
+                print(f"{private} (private: only for that SuperNode)  {public} (register it)")
+        else:
+            print(write_flwr_config(args.name, args.address, args.root_certificates, args.flwr_home))
+    except ValueError as err:
+        parser.error(str(err))
+
+
+if __name__ == "__main__":
+    main()

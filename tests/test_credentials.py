@@ -1,0 +1,80 @@
+"""scripts/credentials.py: the CA, the SuperLink certificate, SuperNode keys and the CLI entry."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import sys
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_ssh_private_key
+from cryptography.hazmat.primitives.serialization.ssh import load_ssh_public_key
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "credentials.py"
+spec = importlib.util.spec_from_file_location("credentials", SCRIPT)
+credentials = importlib.util.module_from_spec(spec)
+sys.modules["credentials"] = credentials
+spec.loader.exec_module(credentials)
+
+
+def test_superlink_certificate_is_signed_by_the_ca_for_exactly_the_given_names(tmp_path):
+    paths = credentials.make_tls(tmp_path, ["superlink.example.org", "localhost"], ["203.0.113.7", "::1"])
+    ca = x509.load_pem_x509_certificate(paths["ca_cert"].read_bytes())
+    cert = x509.load_pem_x509_certificate(paths["cert"].read_bytes())
+    cert.verify_directly_issued_by(ca)  # raises if the signature or issuer is wrong
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["superlink.example.org", "localhost"]
+    assert sans.get_values_for_type(x509.IPAddress) == [
+        ipaddress.ip_address("203.0.113.7"),
+        ipaddress.ip_address("::1"),
+    ]
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    key = load_pem_private_key(paths["key"].read_bytes(), password=None)
+    assert key.public_key().public_numbers() == cert.public_key().public_numbers()
+    assert paths["key"].stat().st_mode & 0o077 == 0 and paths["ca_key"].stat().st_mode & 0o077 == 0
+
+
+def test_node_keys_are_p384_openssh_pairs_flower_can_load(tmp_path):
+    (private, public), _ = credentials.make_node_keys(tmp_path, ["lab-a", "lab-b"])
+    key = load_ssh_private_key(private.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+    pub = load_ssh_public_key(public.read_bytes())
+    assert pub.public_numbers() == key.public_key().public_numbers()
+    assert public.read_text().startswith("ecdsa-sha2-nistp384 ") and private.stat().st_mode & 0o077 == 0
+
+
+def test_flwr_config_entry_is_added_and_replaced(tmp_path):
+    ca = credentials.make_tls(tmp_path / "certs", ["localhost"], [])["ca_cert"]
+    home = tmp_path / "home"
+    (home).mkdir()
+    (home / "config.toml").write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
+    credentials.write_flwr_config("cloud", "old.example.org:9092", None, home)
+    path = credentials.write_flwr_config("cloud", "superlink.example.org:9092", ca, home)
+    import tomllib
+
+    config = tomllib.loads(path.read_text())
+    assert config["superlink"]["local"]["address"] == ":local:"  # other entries untouched
+    assert config["superlink"]["cloud"] == {
+        "address": "superlink.example.org:9092",
+        "root-certificates": str(ca.resolve()),
+    }
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: credentials.make_tls(p, [], []), "DNS names"),
+        (lambda p: credentials.make_tls(p, ["x"], ["999.1.1.1"]), "999.1.1.1"),
+        (lambda p: credentials.make_node_keys(p, ["../evil"]), "node name"),
+        (lambda p: credentials.write_flwr_config("cloud", "no-port", None, p), "HOST:PORT"),
+        (lambda p: credentials.write_flwr_config("cloud", "h:1", p / "missing.crt", p), "do not exist"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(tmp_path)
+    assert not any(tmp_path.iterdir())
