@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -69,3 +71,13 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def load_script(name: str) -> ModuleType:
+    """A module from scripts/ (not a package: the scripts run as files)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_script
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_ssh_private_key
 from cryptography.hazmat.primitives.serialization.ssh import load_ssh_public_key
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "credentials.py"
-spec = importlib.util.spec_from_file_location("credentials", SCRIPT)
-credentials = importlib.util.module_from_spec(spec)
-sys.modules["credentials"] = credentials
-spec.loader.exec_module(credentials)
+credentials = load_script("credentials")
 
 
 def test_superlink_certificate_is_signed_by_the_ca_for_exactly_the_given_names(tmp_path):

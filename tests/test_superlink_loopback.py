@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_ports
+from conftest import free_ports, load_script
 from processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
+credentials = load_script("credentials")
 CONNECTION = "loopback"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 START_TIMEOUT_S = 60.0
@@ -141,7 +142,8 @@ class LoopbackRun:
 class LoopbackFederation:
     """A SuperLink and `num_nodes` SuperNodes on 127.0.0.1, each in its own FLWR_HOME."""
 
-    def __init__(self, root: Path, num_nodes: int) -> None:
+    def __init__(self, root: Path, num_nodes: int, secure: bool = False) -> None:
+        self.secure = secure  # TLS with our CA, and SuperNode authentication with registered keys
         self.root = root.resolve()
         self.num_nodes = num_nodes
         self.procs: list[subprocess.Popen] = []
@@ -181,7 +183,7 @@ class LoopbackFederation:
         superlink, sl_log = self._spawn(
             "superlink",
             [
-                "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+                "flower-superlink", *self._superlink_security(), "--host", "127.0.0.1", "--port", str(self.port),
                 "--database", str(self.root / "superlink" / "state.db"),
                 "--disable-runtime-dependency-installation",
             ],
@@ -195,15 +197,10 @@ class LoopbackFederation:
 
         _wait_until(listening, START_TIMEOUT_S, f"flower-superlink on port {self.port}")
 
+        self.write_cli_config(CONNECTION, root_certificates=self.creds / "ca.crt" if self.secure else None)
         logs = []
         for i, port in enumerate(self.node_ports):
-            node, log = self._spawn(
-                f"node-{i}",
-                [
-                    "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}", "--port", str(port),
-                    "--node-config", f"partition-id={i} num-partitions={self.num_nodes}",
-                ],
-            )  # fmt: skip
+            node, log = self.spawn_node(f"node-{i}", port, i, register=True)
             self.nodes.append(node)
             logs.append(log)
 
@@ -218,12 +215,45 @@ class LoopbackFederation:
             _wait_until(lambda i=i: node_id(i), START_TIMEOUT_S, f"SuperNode {i}") for i in range(self.num_nodes)
         ]
 
-        config = Path(self.env("cli")["FLWR_HOME"]) / "config.toml"
-        config.write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
-        )
         _wait_until(self._all_online, 30.0, f"{self.num_nodes} nodes online in `flwr supernode list`", 1.0)
+
+    @property
+    def creds(self) -> Path:
+        return self.root / "creds"
+
+    def _superlink_security(self) -> list[str]:
+        if not self.secure:
+            return ["--insecure"]
+        paths = credentials.make_tls(self.creds, ["localhost"], ["127.0.0.1"])
+        return [
+            "--ssl-ca-certfile", str(paths["ca_cert"]), "--ssl-certfile", str(paths["cert"]),
+            "--ssl-keyfile", str(paths["key"]), "--enable-supernode-auth",
+        ]  # fmt: skip
+
+    def write_cli_config(self, name: str, root_certificates: Path | None) -> None:
+        """The CLI's connection entry (scripts/credentials.py), made the default."""
+        home = Path(self.env("cli")["FLWR_HOME"])
+        credentials.write_flwr_config(name, f"127.0.0.1:{self.port}", root_certificates, home)
+        if name == CONNECTION:
+            text = (home / "config.toml").read_text()
+            (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n' + text)
+
+    def spawn_node(self, name: str, port: int, partition: int, register: bool) -> tuple[subprocess.Popen, Path]:
+        """A SuperNode; when secure, with its own key pair (registered with the SuperLink or not)."""
+        security = ["--insecure"]
+        if self.secure:
+            ((private, public),) = credentials.make_node_keys(self.creds / "keys", [name])
+            if register:
+                proc = self.cli("supernode", "register", str(public), CONNECTION)
+                assert proc.returncode == 0, f"flwr supernode register failed:\n{proc.stdout}\n{proc.stderr}"
+            security = ["--root-certificates", str(self.creds / "ca.crt"), "--auth-supernode-private-key", str(private)]
+        return self._spawn(
+            name,
+            [
+                "flower-supernode", *security, "--superlink", f"127.0.0.1:{self.port}", "--port", str(port),
+                "--node-config", f"partition-id={partition} num-partitions={self.num_nodes}",
+            ],
+        )  # fmt: skip
 
     def _all_online(self) -> bool:
         proc = self.cli("supernode", "list", CONNECTION, "--format", "json")
@@ -270,12 +300,12 @@ class LoopbackFederation:
 
 
 @contextmanager
-def loopback_federation(tmp_path: Path, num_nodes: int = 3) -> Iterator[LoopbackFederation]:
+def loopback_federation(tmp_path: Path, num_nodes: int = 3, secure: bool = False) -> Iterator[LoopbackFederation]:
     """A running loopback federation; every process it started is gone afterwards."""
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
             pytest.fail(f"`{tool}` is not on PATH: pip install -e '.[test]'")
-    fed = LoopbackFederation(tmp_path / "loopback", num_nodes)
+    fed = LoopbackFederation(tmp_path / "loopback", num_nodes, secure)
     try:
         t0 = time.monotonic()
         fed.start()
@@ -297,19 +327,29 @@ def loopback(tmp_path: Path) -> Iterator[LoopbackFederation]:
 
 
 @pytest.mark.slow
-def test_sync_run_completes_over_loopback(loopback: LoopbackFederation) -> None:
-    summary = loopback.run("federation.rounds=2 federation.min_available_nodes=3 train.epochs=1", timeout=240)
+def test_sync_run_completes_over_tls_with_node_authentication(tmp_path: Path) -> None:
+    """TLS with our CA and SuperNode authentication (scripts/credentials.py), as shipped:
+    registered nodes train; a node with an unregistered key and a CLI without the CA are refused."""
+    with loopback_federation(tmp_path, secure=True) as fed:
+        stranger, stranger_log = fed.spawn_node("stranger", free_ports(1)[0], 0, register=False)
+        fed.write_cli_config("no-ca", root_certificates=None)  # plain-text client against the TLS port
+        refused = fed.cli("supernode", "list", "no-ca", "--format", "json", timeout=120)
+        summary = fed.run("federation.rounds=2 federation.min_available_nodes=3 train.epochs=1", timeout=240)
+        code = _wait_until(lambda: stranger.poll() is not None, 120.0, "the unregistered SuperNode to give up")
+        node_ids = fed.node_ids
 
+    assert code and stranger.returncode != 0, _tail(stranger_log)
+    assert "Exit Code: 305" in _tail(stranger_log), _tail(stranger_log)  # SUPERNODE_CONNECTION_ERROR
+    answer = json.loads(refused.stdout[refused.stdout.index("{") :])  # flwr exits 0 and says so in the JSON
+    assert answer["success"] is False and "unavailable" in answer["error-message"], answer
     assert summary["status"] == "completed", summary
     assert summary["num_nodes"] == 3 and summary["rounds_completed"] == 2, summary
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2]
     for row in rows:
         assert row["num_clients"] == 3 and row["num_rejected"] == 0 and row["num_missing"] == 0, row
-        # every SuperNode trained, each with the partition its --node-config names
-        assert {int(k): v for k, v in row["node_partitions"].items()} == dict(
-            zip(loopback.node_ids, range(3), strict=True)
-        ), row
+        # every registered SuperNode trained, each with the partition its --node-config names
+        assert {int(k): v for k, v in row["node_partitions"].items()} == dict(zip(node_ids, range(3), strict=True)), row
 
 
 @pytest.mark.slow
