@@ -132,15 +132,9 @@ def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> int
     return cohort
 
 
-def node_partitions(replies: list[Message]) -> dict[str, int]:
+def node_partitions(metrics: list[tuple[int, MetricRecord]]) -> dict[str, int]:
     """node id -> partition id, as simulated nodes report it (for reading attack results)."""
-    out = {}
-    for msg in replies:
-        if not msg.has_error():
-            for record in msg.content.metric_records.values():
-                if isinstance(record.get("partition-id"), int):
-                    out[str(msg.metadata.src_node_id)] = record["partition-id"]
-    return out
+    return {str(node): m["partition-id"] for node, m in metrics if isinstance(m.get("partition-id"), int)}
 
 
 def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
@@ -353,6 +347,7 @@ class FederatedRun:
                 grid.send_and_receive(strategy.configure_train(rnd, self.arrays, config, grid), timeout=timeout)
             )
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+            client_metrics = reply_metrics(replies)
             report = strategy.train_report
             if new_arrays is not None:
                 self.arrays = new_arrays
@@ -374,11 +369,11 @@ class FederatedRun:
                 "model_updated": new_arrays is not None,
                 "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
                 "robust": report.robust_row() if isinstance(strategy, RobustStrategy) else None,
-                "node_partitions": node_partitions(replies),
+                "node_partitions": node_partitions(client_metrics),
                 "train": dict(train_metrics) if train_metrics else {},
                 "federated_eval": dict(fed_eval) if fed_eval else {},
             }
-            self.finish_round(rnd, row, reply_metrics(replies))
+            self.finish_round(rnd, row, client_metrics)
             log.info(
                 "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
                 rnd,
@@ -397,13 +392,13 @@ class FederatedRun:
     def run_versions(self) -> None:
         strategy, cfg = self.strategy, self.cfg
         assert isinstance(strategy, FedBuff)
+        budget = cfg.federation.max_wall_time_s
         last = time.time()
 
         def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
             nonlocal last
             self.arrays = arrays
             v = report.version
-            budget = cfg.federation.max_wall_time_s
             evaluate_now = (
                 v % cfg.strategy.eval_every == 0
                 or v >= cfg.federation.rounds
@@ -445,7 +440,6 @@ class FederatedRun:
             )
             return self.should_stop(v, acc)
 
-        budget = cfg.federation.max_wall_time_s
         deadline = time.monotonic() + budget - self.elapsed() if budget else None
         self.arrays = strategy.run(
             self.grid,

@@ -153,26 +153,28 @@ class CentralDP:
 
     def release(
         self,
-        updates: Sequence[TensorDict],
+        updates: Iterable[TensorDict],
         like: TensorDict,
         expected_cohort: float,
         scales: Sequence[float] | None = None,
     ) -> TensorDict:
         """(Σ sᵢ·clip(Δᵢ) + N(0, (zC)²)) / m, with m the expected cohort; accounted.
 
+        `updates` is consumed one at a time (a generator keeps one update in memory).
         `scales` sᵢ ≤ 1 (FedBuff's staleness weights) can only lower a client's
         influence, so the sensitivity stays C. `like` gives keys, shapes and device (the
         current global model). Integer tensors (BatchNorm counters) are not released:
         they come back as zeros (no change).
         """
-        scales = [1.0] * len(updates) if scales is None else list(scales)
-        if len(scales) != len(updates) or not all(0 <= x <= 1 for x in scales):
+        if scales is not None and not all(0 <= x <= 1 for x in scales):
             raise ValueError(f"need one scale in [0, 1] per update, got {scales}")
         self.check_budget(expected_cohort)
         clip = self.clip_norm
         total = {k: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for k, t in like.items()}
-        unclipped = 0
-        for update, scale in zip(updates, scales, strict=True):
+        unclipped = count = 0
+        pairs = zip(updates, scales, strict=True) if scales is not None else ((u, 1.0) for u in updates)
+        for update, scale in pairs:
+            count += 1
             clipped, norm = clip_update(update, clip)
             unclipped += norm <= clip
             for k, t in clipped.items():
@@ -187,12 +189,12 @@ class CentralDP:
             noise_multiplier=self.charged_noise_multiplier(expected_cohort), sample_rate=self.sample_rate
         )
         self.releases += 1
-        self.last_clipped_fraction = 1 - unclipped / len(updates) if updates else None
+        self.last_clipped_fraction = 1 - unclipped / count if count else None
         if self.adaptive is not None:
-            count = unclipped + float(
+            noised = unclipped + float(
                 torch.normal(0.0, self._count_std(expected_cohort), (1,), generator=self.generator)
             )
-            self.clip_norm = self.adaptive.next_clip(clip, count / expected_cohort)
+            self.clip_norm = self.adaptive.next_clip(clip, noised / expected_cohort)
         return total
 
     def summary(self) -> dict[str, Any]:
@@ -264,20 +266,17 @@ class DPFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Check the budget before anyone trains, then sample the cohort."""
+        """Sample the cohort, then check the budget before any message is sent."""
         nodes = len(list(grid.get_node_ids()))
-        expected = self.fraction_train * nodes if self.poisson else None
-        if expected is not None:
-            self.dp.check_budget(expected)
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        self._expected_cohort = expected if expected is not None else max(len(messages), 1)
+        self._expected_cohort = self.fraction_train * nodes if self.poisson else max(len(messages), 1)
         self.dp.check_budget(self._expected_cohort)
         return messages
 
     def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
         # Called with no valid reply too: DP still releases (noise only).
         keys = float_keys(self._global)
-        updates = [{k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in screened.valid]
+        updates = ({k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in screened.valid)
         noised_mean = self.dp.release(updates, self._global, self._expected_cohort)
         return apply_update(self._global, noised_mean)
 
@@ -318,7 +317,7 @@ class DPFedBuff(FedBuff):
 
     def _aggregate_buffer(self, current: TensorDict) -> TensorDict:
         keys = float_keys(current)
-        updates = [{k: r.arrays[k].float() - r.base[k].float() for k in keys} for r in self.buffer]
+        updates = ({k: r.arrays[k].float() - r.base[k].float() for k in keys} for r in self.buffer)
         scales = [min(self.staleness(r.staleness), 1.0) for r in self.buffer]
         return self.dp.release(updates, current, self.buffer_size, scales)
 

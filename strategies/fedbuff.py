@@ -49,7 +49,7 @@ from strategies.replies import (
     weighted_metrics,
 )
 from strategies.robust import RobustStrategy
-from strategies.robust_ops import apply_update, weighted_update_mean
+from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
 
@@ -77,11 +77,6 @@ class VersionReport:
     robust: dict[str, Any] | None = None  # the robust buffer rule's picks
     metrics: MetricRecord | None = None  # clients' training metrics, weighted
     client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)  # per applied update
-
-
-def _update_dtype(t: torch.Tensor) -> torch.dtype:
-    """Updates are float32 (float64 for integer tensors, rounded when applied)."""
-    return torch.float32 if t.is_floating_point() else torch.float64
 
 
 def server_step(
@@ -308,9 +303,9 @@ class FedBuff(Strategy):
         self.report.robust["excluded"] += [r.node_id for r in screened.rejected]  # found bad by the rule itself
         self.report.rejected += screened.rejected
         if proposed is None:  # the rule's too-few policy said skip: the model stays
-            return {k: torch.zeros(t.shape, dtype=_update_dtype(t), device=self.device) for k, t in current.items()}
+            return {k: torch.zeros(t.shape, dtype=update_dtype(t), device=self.device) for k, t in current.items()}
         return {
-            k: proposed[k].to(self.device, _update_dtype(t)) - t.to(self.device, _update_dtype(t))
+            k: proposed[k].to(self.device, update_dtype(t)) - t.to(self.device, update_dtype(t))
             for k, t in current.items()
         }
 

@@ -24,6 +24,11 @@ def float_keys(like: TensorDict) -> list[str]:
     return [k for k, t in like.items() if t.is_floating_point()]
 
 
+def update_dtype(t: torch.Tensor) -> torch.dtype:
+    """Updates are float32 (float64 for integer tensors, rounded back by `apply_update`)."""
+    return torch.float32 if t.is_floating_point() else torch.float64
+
+
 def _blocks(numel: int, block: int) -> Iterator[tuple[int, int]]:
     for start in range(0, numel, block):
         yield start, min(start + block, numel)
@@ -175,7 +180,7 @@ def coordinatewise(
     block = _block_elems(n, block_bytes)
     out: TensorDict = {}
     for key, ref in models[0].items():
-        dtype = torch.float32 if ref.is_floating_point() else torch.float64
+        dtype = update_dtype(ref)
         result = torch.empty(ref.numel(), dtype=dtype, device=device)
         buf = torch.empty(n, min(block, ref.numel()), dtype=dtype, device=device)
         for start, end in _blocks(ref.numel(), block):
@@ -202,7 +207,7 @@ def weighted_update_mean(
         raise ValueError("weighted_update_mean needs one positive weight per update and at least one update")
     out: TensorDict = {}
     for key, ref in models[0].items():
-        dtype = torch.float32 if ref.is_floating_point() else torch.float64
+        dtype = update_dtype(ref)
         acc = torch.zeros(ref.shape, dtype=dtype, device=device)
         for model, base, w in zip(models, bases, weights, strict=True):
             acc.add_(model[key].to(device, dtype), alpha=w / total).sub_(base[key].to(device, dtype), alpha=w / total)
