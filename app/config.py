@@ -334,8 +334,12 @@ def validate(cfg: Config) -> Config:
     )
 
     _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
-    if cfg.resume is not None:
-        _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file")
+    if cfg.resume == "auto":
+        _require(
+            bool(cfg.name), "resume", cfg.resume, "auto needs a run name (name=...): it resumes <output-dir>/<name>"
+        )
+    elif cfg.resume is not None:
+        _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file (or use resume=auto)")
     _require(
         bool(_DEVICE_RE.match(cfg.server_device)),
         "server_device",

@@ -147,6 +147,18 @@ def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
     ]
 
 
+def checkpoint_to_resume(cfg: Config, root: Path) -> Path | None:
+    """The checkpoint `resume` names: a path, or with `auto` the named run's own checkpoint
+    if it has one (so that the same command starts a run and, after a crash, continues it)."""
+    if cfg.resume != "auto":
+        return Path(cfg.resume) if cfg.resume else None
+    path = root / str(cfg.name) / "checkpoint.pt"
+    if not path.is_file():
+        log.info("resume=auto: no checkpoint at %s yet; starting run %r", path, cfg.name)
+        return None
+    return path
+
+
 def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in ckpt.state_dict.items()}
@@ -199,20 +211,22 @@ class FederatedRun:
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
         check_cohort(cfg, self.strategy, len(self.nodes))
-        if cfg.resume:
-            ckpt = load_checkpoint(cfg.resume)
-            _check_compatible(ckpt, self.model, cfg.resume)
+        if resume := checkpoint_to_resume(cfg, root):
+            ckpt = load_checkpoint(resume)
+            _check_compatible(ckpt, self.model, str(resume))
             if ckpt.round >= cfg.federation.rounds:
                 raise ConfigError(
-                    f"resume={cfg.resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
+                    f"resume={resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
                 )
             self.arrays = ArrayRecord(ckpt.state_dict)
             self.strategy.load_state_dict(ckpt.strategy_state)
             restore_rng(ckpt.rng)
             self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
-            self.recorder = RunRecorder(Path(cfg.resume).parent, resumed_after=ckpt.round)
+            self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round)
+            log.info("resuming %s after round %d", resume, ckpt.round)
         else:
-            self.recorder = RunRecorder(new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name))
+            run_dir = new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name, reuse=cfg.resume == "auto")
+            self.recorder = RunRecorder(run_dir)
         self.recorder.save_config(raw)
         log.info("results: %s", self.recorder.run_dir)
         self.strategy.summary()

@@ -33,20 +33,21 @@ def output_root(configured: str) -> Path:
     return path
 
 
-def new_run_dir(root: Path, name: str | None, strategy: str, dataset: str) -> Path:
+def new_run_dir(root: Path, name: str | None, strategy: str, dataset: str, reuse: bool = False) -> Path:
     """Create a fresh results directory; never reuse one (that would mix two runs).
 
-    An explicit `name` that exists is an error; a generated one gets a -2, -3 ... suffix
-    when two runs start in the same second (sweeps).
+    An explicit `name` that exists is an error, unless `reuse` (resume=auto found no
+    checkpoint there: the run died before its first round); a generated one gets a
+    -2, -3 ... suffix when two runs start in the same second (sweeps).
     """
     root.mkdir(parents=True, exist_ok=True)
     if name:
         path = root / name
         try:
-            path.mkdir()
+            path.mkdir(exist_ok=reuse)
         except FileExistsError:
             raise ConfigError(
-                f"name={name!r}: {path} already holds a run; pick another name, or resume=<its checkpoint.pt>"
+                f"name={name!r}: {path} already holds a run; pick another name, or resume=auto to continue it"
             ) from None
         return path
     base = f"{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{strategy}-{dataset}"

@@ -3,6 +3,7 @@ key pairs and the `flwr` CLI's connection entry.
 
     python scripts/credentials.py tls --out certs --dns superlink.example.org --ip 203.0.113.7
     python scripts/credentials.py node-keys --out keys --names lab-a lab-b lab-c
+    python scripts/credentials.py superexec-secret --out certs/superexec.secret
     python scripts/credentials.py flwr-config --name cloud --address superlink.example.org:9092 \
         --root-certificates certs/ca.crt
 
@@ -12,7 +13,9 @@ superlink.crt --ssl-keyfile superlink.key`); the certificate's subject alternati
 names are exactly the DNS names and IPs given, which is what clients check. `node-keys`
 writes ECDSA P-384 key pairs in OpenSSH format (`<name>` and `<name>.pub`), the kind
 `flower-supernode --auth-supernode-private-key` loads and `flwr supernode register
-<name>.pub <connection>` registers. `flwr-config` adds a `[superlink.<name>]` entry to
+<name>.pub <connection>` registers. `superexec-secret` writes the shared secret with
+which the SuperLink (`--isolation process --superexec-auth-secret-file`) accepts only
+its own `flower-superexec` on the Runtime API that shares the public port. `flwr-config` adds a `[superlink.<name>]` entry to
 `$FLWR_HOME/config.toml` (default ~/.flwr) so that `flwr run . <name>` reaches it.
 
 Written with `cryptography` (already a Flower dependency) rather than shell + openssl,
@@ -26,6 +29,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -121,6 +125,15 @@ def make_node_keys(out: Path, names: Sequence[str]) -> list[tuple[Path, Path]]:
     return pairs
 
 
+def make_superexec_secret(path: Path) -> Path:
+    """32 random bytes, hex-encoded (Flower reads the file as raw bytes: any content works,
+    text survives copy and paste between hosts), readable by the owner only. An existing
+    secret is kept: the SuperLink and its SuperExec must keep agreeing after a re-run."""
+    if not path.exists():
+        _write(path, secrets.token_hex(32).encode(), private=True)
+    return path
+
+
 def write_flwr_config(name: str, address: str, root_certificates: Path | None, flwr_home: Path) -> Path:
     """Add (or replace) `[superlink.<name>]` in `flwr_home/config.toml`."""
     if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
@@ -155,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     keys = sub.add_parser("node-keys", help="ECDSA P-384 key pairs for SuperNodes")
     keys.add_argument("--out", type=Path, required=True)
     keys.add_argument("--names", nargs="+", required=True)
+    secret = sub.add_parser("superexec-secret", help="the SuperLink <-> SuperExec shared secret")
+    secret.add_argument("--out", type=Path, required=True, help="file to write (kept if it exists)")
     cfg = sub.add_parser("flwr-config", help="a [superlink.<name>] entry for the flwr CLI")
     cfg.add_argument("--name", required=True)
     cfg.add_argument("--address", required=True, help="HOST:PORT of the SuperLink")
@@ -168,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "node-keys":
             for private, public in make_node_keys(args.out, args.names):
                 print(f"{private} (private: only for that SuperNode)  {public} (register it)")
+        elif args.command == "superexec-secret":
+            print(make_superexec_secret(args.out))
         else:
             print(write_flwr_config(args.name, args.address, args.root_certificates, args.flwr_home))
     except ValueError as err:

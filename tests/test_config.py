@@ -59,6 +59,7 @@ def test_overrides_string_is_applied():
         ("dataset.test_fraction=1.0", ["dataset.test_fraction=1.0", "(0, 1)"]),
         ("model=resnet18 model.width=32", ["model.width=32", "64 wide"]),
         ("resume=/no/checkpoint.pt", ["resume='/no/checkpoint.pt'", "no such checkpoint"]),
+        ("resume=auto", ["resume='auto'", "needs a run name"]),
         ("seed=-1", ["seed=-1", ">= 0"]),
         ("train.lrr=0.1", ["train.lrr is not a config key"]),
         ("federation.rounds=[1,2", ["bad override"]),

@@ -65,6 +65,16 @@ def test_resume_gives_the_same_rounds_and_model_as_an_uninterrupted_run(tmp_path
     assert resumed["final_accuracy"] == pytest.approx(whole["final_accuracy"])
 
 
+def test_resume_auto_starts_a_named_run_then_continues_it(tmp_path):
+    """The same command twice: first a new run (also when a crash left an empty run
+    directory behind), then, after a crash, a continuation from its checkpoint."""
+    (tmp_path / "auto").mkdir()  # died before its first checkpoint
+    first = _run(tmp_path, FAST.format(rounds=2) + " name=auto resume=auto")
+    assert first["rounds_completed"] == 2 and [r["round"] for r in _rows(first)] == [1, 2]
+    resumed = _run(tmp_path, FAST.format(rounds=3) + " name=auto resume=auto")
+    assert resumed["run_dir"] == first["run_dir"] and [r["round"] for r in _rows(resumed)] == [1, 2, 3]
+
+
 def test_resume_past_the_last_round_is_refused(tmp_path):
     from app.config import ConfigError
 
