@@ -341,13 +341,14 @@ class FederatedRun:
                 if self.dp is not None
                 else f"client epsilon max {row['client_epsilon_max']:.3f}, mean {row['client_epsilon_mean']:.3f}",
             )
-        self.recorder.log_round(row)
+        # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
         save_checkpoint(
             self.recorder.checkpoint_path,
             Checkpoint(
                 self.arrays.to_torch_state_dict(), rnd, self.strategy.state_dict(), capture_rng(), row["wall_time_s"]
             ),
         )
+        self.recorder.log_round(row)
 
     # --- synchronous rounds ------------------------------------------------------
     def run_rounds(self) -> None:

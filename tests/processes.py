@@ -80,3 +80,13 @@ def stop_processes(marker: str, grace_s: float = 0.0) -> None:
         time.sleep(0.2)
     left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in processes_under(marker)}
     assert not left, f"processes under {marker} survived SIGKILL: {left}"
+
+
+def kill_matching(marker: str, program: str) -> set[int]:
+    """SIGKILL the processes of `marker` whose command line mentions `program` (a crash of
+    that one component); return their pids."""
+    pids = {
+        p for p in processes_under(marker) if program.encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+    }  # fmt: skip
+    _signal_all(pids, signal.SIGKILL)
+    return pids

@@ -26,6 +26,7 @@ RUNTIME_DEPENDENCY_INSTALL in flwr/common/constant.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -38,9 +39,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 from conftest import free_ports, load_script
-from processes import stop_processes
+from processes import kill_matching, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 credentials = load_script("credentials")
@@ -79,6 +82,29 @@ def _killpg(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def acquire_task_status(address: str, ca_cert: Path | None) -> int:
+    """HTTP status of a ServerApp-task request (`/v1/runtime/acquire-task`) sent to the
+    SuperLink's public port by a stranger: Flower's own Runtime client, no SuperExec secret."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime.runtime_http_client import RuntimeHttpClient
+
+    client = RuntimeHttpClient.from_server_address(
+        address,
+        insecure=ca_cert is None,
+        root_certificates=ca_cert.read_bytes() if ca_cert else None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+    )
+    try:
+        client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.SERVER_APP]))
+        return 200
+    except httpx.HTTPStatusError as err:
+        return err.response.status_code
+    finally:
+        client.close()
 
 
 # ----------------------------------------------------------------------------- federation
@@ -142,7 +168,7 @@ class LoopbackRun:
 class LoopbackFederation:
     """A SuperLink and `num_nodes` SuperNodes on 127.0.0.1, each in its own FLWR_HOME."""
 
-    def __init__(self, root: Path, num_nodes: int, secure: bool = False) -> None:
+    def __init__(self, root: Path, num_nodes: int, secure: bool = False, data_paths: list[Path] | None = None) -> None:
         self.secure = secure  # TLS with our CA, and SuperNode authentication with registered keys
         self.root = root.resolve()
         self.num_nodes = num_nodes
@@ -150,7 +176,9 @@ class LoopbackFederation:
         self.nodes: list[subprocess.Popen] = []
         self.node_ids: list[int] = []
         self.port, *self.node_ports = free_ports(1 + num_nodes)
-        self._runs = 0
+        self.data_paths = data_paths
+        self.superlink: subprocess.Popen | None = None
+        self._runs = self._superlink_starts = 0
 
     def env(self, home: str) -> dict[str, str]:
         """Environment of every process: a private FLWR_HOME, nothing from the network."""
@@ -180,23 +208,7 @@ class LoopbackFederation:
 
     def start(self) -> None:
         """SuperLink first (nodes back off exponentially while it is down), then the nodes."""
-        superlink, sl_log = self._spawn(
-            "superlink",
-            [
-                "flower-superlink", *self._superlink_security(), "--host", "127.0.0.1", "--port", str(self.port),
-                "--database", str(self.root / "superlink" / "state.db"),
-                "--disable-runtime-dependency-installation",
-            ],
-        )  # fmt: skip
-
-        def listening() -> bool:
-            if superlink.poll() is not None:
-                raise AssertionError(f"flower-superlink exited {superlink.returncode}:\n{_tail(sl_log)}")
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-        _wait_until(listening, START_TIMEOUT_S, f"flower-superlink on port {self.port}")
-
+        self.start_superlink()
         self.write_cli_config(CONNECTION, root_certificates=self.creds / "ca.crt" if self.secure else None)
         logs = []
         for i, port in enumerate(self.node_ports):
@@ -214,8 +226,61 @@ class LoopbackFederation:
         self.node_ids = [
             _wait_until(lambda i=i: node_id(i), START_TIMEOUT_S, f"SuperNode {i}") for i in range(self.num_nodes)
         ]
+        self.wait_nodes_online()
 
-        _wait_until(self._all_online, 30.0, f"{self.num_nodes} nodes online in `flwr supernode list`", 1.0)
+    def wait_nodes_online(self, timeout: float = 30.0) -> None:
+        _wait_until(self._all_online, timeout, f"{self.num_nodes} nodes online in `flwr supernode list`", 1.0)
+
+    def start_superlink(self) -> None:
+        """The SuperLink, as shipped when secure (TLS, node authentication, and the Runtime API
+        locked: `--isolation process` with a SuperExec secret and its own `flower-superexec`
+        for ServerApps). Called again after `crash_server`: same port, same database."""
+        self._superlink_starts += 1
+        superlink, sl_log = self._spawn(
+            "superlink",
+            [
+                "flower-superlink", *self._superlink_security(), "--host", "127.0.0.1", "--port", str(self.port),
+                "--database", str(self.root / "superlink" / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+            log_name=f"output-{self._superlink_starts}.log",
+        )  # fmt: skip
+        self.superlink = superlink
+
+        def listening() -> bool:
+            if superlink.poll() is not None:
+                raise AssertionError(f"flower-superlink exited {superlink.returncode}:\n{_tail(sl_log)}")
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+        _wait_until(listening, START_TIMEOUT_S, f"flower-superlink on port {self.port}")
+        if self.secure:
+            self._spawn(
+                "superexec",
+                [
+                    "flower-superexec", "--runtime-api-address", self.address,
+                    "--root-certificates", str(self.creds / "ca.crt"),
+                    "--superexec-auth-secret-file", str(self.creds / "superexec.secret"),
+                ],
+                log_name=f"output-{self._superlink_starts}.log",
+            )  # fmt: skip
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill_serverapp(self) -> None:
+        """SIGKILL the running ServerApp process(es) only: the SuperLink and nodes stay up."""
+        home = "superexec" if self.secure else "superlink"
+        killed = kill_matching(str(self.root / home), "flwr-serverapp")
+        assert killed, "no flwr-serverapp process was running"
+
+    def crash_server(self) -> None:
+        """SIGKILL the whole server side (SuperLink, its SuperExec and ServerApps), as when the
+        SuperLink's host dies; the SuperNodes keep running and retry."""
+        _killpg(self.superlink)
+        for home in ("superlink", "superexec"):
+            stop_processes(str(self.root / home))
 
     @property
     def creds(self) -> Path:
@@ -224,10 +289,14 @@ class LoopbackFederation:
     def _superlink_security(self) -> list[str]:
         if not self.secure:
             return ["--insecure"]
-        paths = credentials.make_tls(self.creds, ["localhost"], ["127.0.0.1"])
+        if not (self.creds / "ca.crt").exists():
+            credentials.make_tls(self.creds, ["localhost"], ["127.0.0.1"])
+            credentials.make_superexec_secret(self.creds / "superexec.secret")
+        c = self.creds
         return [
-            "--ssl-ca-certfile", str(paths["ca_cert"]), "--ssl-certfile", str(paths["cert"]),
-            "--ssl-keyfile", str(paths["key"]), "--enable-supernode-auth",
+            "--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "superlink.crt"),
+            "--ssl-keyfile", str(c / "superlink.key"), "--enable-supernode-auth",
+            "--isolation", "process", "--superexec-auth-secret-file", str(c / "superexec.secret"),
         ]  # fmt: skip
 
     def write_cli_config(self, name: str, root_certificates: Path | None) -> None:
@@ -251,9 +320,15 @@ class LoopbackFederation:
             name,
             [
                 "flower-supernode", *security, "--superlink", f"127.0.0.1:{self.port}", "--port", str(port),
-                "--node-config", f"partition-id={partition} num-partitions={self.num_nodes}",
+                "--node-config", self.node_config(partition),
             ],
         )  # fmt: skip
+
+    def node_config(self, partition: int) -> str:
+        """Node-local data when the federation has files (one per node), else a demo partition."""
+        if self.data_paths:
+            return f'data-path="{self.data_paths[partition]}"'  # strings are quoted (TOML)
+        return f"partition-id={partition} num-partitions={self.num_nodes}"
 
     def _all_online(self) -> bool:
         proc = self.cli("supernode", "list", CONNECTION, "--format", "json")
@@ -269,11 +344,12 @@ class LoopbackFederation:
             ["flwr", *args], env=self.env("cli"), cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
 
-    def submit(self, overrides: str) -> LoopbackRun:
-        """`flwr run . loopback --stream` in the background, results in a fresh output root."""
+    def submit(self, overrides: str, out_root: Path | None = None) -> LoopbackRun:
+        """`flwr run . loopback --stream` in the background, results in `out_root` (default: a
+        fresh one)."""
         assert "'" not in overrides, "the overrides travel inside single quotes"
         self._runs += 1
-        out_root = self.root / f"results-{self._runs}"
+        out_root = out_root or self.root / f"results-{self._runs}"
         run_config = f"overrides='{overrides}' output-dir='{out_root}'"
         proc, log = self._spawn(
             "cli",
@@ -300,12 +376,14 @@ class LoopbackFederation:
 
 
 @contextmanager
-def loopback_federation(tmp_path: Path, num_nodes: int = 3, secure: bool = False) -> Iterator[LoopbackFederation]:
+def loopback_federation(
+    tmp_path: Path, num_nodes: int = 3, secure: bool = False, data_paths: list[Path] | None = None
+) -> Iterator[LoopbackFederation]:
     """A running loopback federation; every process it started is gone afterwards."""
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
             pytest.fail(f"`{tool}` is not on PATH: pip install -e '.[test]'")
-    fed = LoopbackFederation(tmp_path / "loopback", num_nodes, secure)
+    fed = LoopbackFederation(tmp_path / "loopback", num_nodes, secure, data_paths)
     try:
         t0 = time.monotonic()
         fed.start()
@@ -326,35 +404,67 @@ def loopback(tmp_path: Path) -> Iterator[LoopbackFederation]:
 # ----------------------------------------------------------------------------- tests
 
 
+def _site_files(out: Path, sizes: list[int]) -> list[Path]:
+    """One data file per site (scripts/export_partitions.py), cut to distinct sizes so that
+    the examples a round trained on tell which sites took part."""
+    paths = load_script("export_partitions").export_partitions(out, len(sizes))
+    for path, size in zip(paths, sizes, strict=True):
+        with np.load(path) as f:
+            x, y = f["x"][:size], f["y"][:size]
+        np.savez_compressed(path, x=x, y=y)
+    return paths
+
+
+def _train_size(n: int, val_fraction: float = 0.1) -> int:
+    """Examples a node trains on after holding out its local validation split (app/data.py)."""
+    return n - math.ceil(n * val_fraction)
+
+
 @pytest.mark.slow
-def test_sync_run_completes_over_tls_with_node_authentication(tmp_path: Path) -> None:
-    """TLS with our CA and SuperNode authentication (scripts/credentials.py), as shipped:
-    registered nodes train; a node with an unregistered key and a CLI without the CA are refused."""
-    with loopback_federation(tmp_path, secure=True) as fed:
+def test_secure_federation_with_node_local_data_survives_a_killed_node(tmp_path: Path) -> None:
+    """The shipped configuration: TLS with our CA, SuperNode authentication with registered
+    keys, the Runtime API locked to our SuperExec, and each SuperNode reading its own data
+    file (`--node-config data-path=...`). Refused: an unregistered key, a CLI without the
+    CA, a stranger asking for the ServerApp task. A SuperNode killed after round 1: the sync
+    run finishes its rounds with the other two (min_train_nodes=2, round timeout)."""
+    sizes = [479, 300, 200]
+    files = _site_files(tmp_path / "sites", sizes)
+    with loopback_federation(tmp_path, secure=True, data_paths=files) as fed:
         stranger, stranger_log = fed.spawn_node("stranger", free_ports(1)[0], 0, register=False)
         fed.write_cli_config("no-ca", root_certificates=None)  # plain-text client against the TLS port
         refused = fed.cli("supernode", "list", "no-ca", "--format", "json", timeout=120)
-        summary = fed.run("federation.rounds=2 federation.min_available_nodes=3 train.epochs=1", timeout=240)
+        task_thief = acquire_task_status(fed.address, fed.creds / "ca.crt")
+        run = fed.submit(
+            "federation.rounds=3 federation.min_available_nodes=3 federation.min_train_nodes=2 "
+            "federation.round_timeout_s=20 train.epochs=1"
+        )
+        _wait_until(run.metrics, 180.0, "round 1 in metrics.jsonl", interval=0.5)
+        fed.kill_node(2)
+        summary = run.wait(timeout=240)
         code = _wait_until(lambda: stranger.poll() is not None, 120.0, "the unregistered SuperNode to give up")
-        node_ids = fed.node_ids
 
+    assert task_thief == 401, task_thief  # RUNTIME_AUTHENTICATION_FAILED: no SuperExec secret
     assert code and stranger.returncode != 0, _tail(stranger_log)
     assert "Exit Code: 305" in _tail(stranger_log), _tail(stranger_log)  # SUPERNODE_CONNECTION_ERROR
     answer = json.loads(refused.stdout[refused.stdout.index("{") :])  # flwr exits 0 and says so in the JSON
     assert answer["success"] is False and "unavailable" in answer["error-message"], answer
-    assert summary["status"] == "completed", summary
-    assert summary["num_nodes"] == 3 and summary["rounds_completed"] == 2, summary
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2]
-    for row in rows:
-        assert row["num_clients"] == 3 and row["num_rejected"] == 0 and row["num_missing"] == 0, row
-        # every registered SuperNode trained, each with the partition its --node-config names
-        assert {int(k): v for k, v in row["node_partitions"].items()} == dict(zip(node_ids, range(3), strict=True)), row
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3, summary
+    rows = run.metrics()
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    # Round 1: every registered site trained on its own file; after the kill, the other two.
+    assert rows[0]["num_clients"] == 3 and rows[0]["train"]["num-examples"] == sum(map(_train_size, sizes))
+    for row in rows[1:]:
+        assert row["num_clients"] == 2 and row["num_rejected"] == 0, row
+        assert row["train"]["num-examples"] == sum(map(_train_size, sizes[:2])), row
+    assert rows[1]["num_missing"] == 1  # the dead node's task, given up after the round timeout
 
 
 @pytest.mark.slow
 def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:
     with loopback_federation(tmp_path) as fed:
+        # Flower's default `--isolation subprocess` (used here, insecure) leaves the Runtime API
+        # on the public port open to anyone: why the shipped SuperLink runs `--isolation process`.
+        assert acquire_task_status(fed.address, None) == 200
         run = fed.submit("strategy=fedbuff federation.rounds=4 train.epochs=1 strategy.buffer_size=2")
         seen = _wait_until(run.metrics, 180.0, "the first server update in metrics.jsonl", interval=0.5)
         fed.kill_node(2)
@@ -364,3 +474,49 @@ def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:
     assert summary["status"] == "completed", summary
     versions = [r["version"] for r in run.metrics() if "version" in r]
     assert versions == [1, 2, 3, 4], versions
+
+
+@pytest.mark.slow
+def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_epsilon(tmp_path: Path) -> None:
+    """Central DP over the shipped configuration. The ServerApp dies after round 1; the same
+    `flwr run` again continues it. Then the whole server side (SuperLink, SuperExec,
+    ServerApp) dies; restarted on its database, the nodes reconnect and the same command
+    finishes the run: 4 rounds, 4 releases, the epsilon of an uninterrupted run."""
+    overrides = (
+        "name=crashy resume=auto privacy=central privacy.noise_multiplier=1 federation.rounds=4 "
+        "federation.min_available_nodes=3 train.epochs=1"
+    )
+    out = tmp_path / "results"
+    rounds = lambda run: [r["round"] for r in run.metrics()]  # noqa: E731
+    with loopback_federation(tmp_path, secure=True) as fed:
+        run = fed.submit(overrides, out)
+        _wait_until(lambda: rounds(run), 180.0, "round 1", interval=0.5)
+        fed.kill_serverapp()
+        _killpg(run.proc)
+        after_first_crash = rounds(run)
+
+        run = fed.submit(overrides, out)
+        _wait_until(lambda: max(rounds(run)) > after_first_crash[-1], 180.0, "a round after the resume", 0.5)
+        fed.crash_server()
+        _killpg(run.proc)
+        after_second_crash = rounds(run)
+        fed.start_superlink()
+        fed.wait_nodes_online(timeout=180.0)  # the SuperNodes retry with back-off
+
+        summary = fed.submit(overrides, out).wait(timeout=300)
+
+    assert after_first_crash[0] == 1 and after_second_crash[-1] < 4, (after_first_crash, after_second_crash)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 4, summary
+    assert summary["run_dir"] == str(out / "crashy")
+    assert [r["round"] for r in run.metrics()] == [1, 2, 3, 4]
+    assert summary["privacy"]["releases"] == 4
+
+    from app.client_app import app as client_app
+    from app.config import load_config
+    from app.federated_run import run_federation
+    from app.local_grid import InProcessGrid
+
+    cfg, raw = load_config(overrides.replace("resume=auto", ""))
+    whole = run_federation(InProcessGrid(client_app, 3), cfg, raw, tmp_path / "uninterrupted")
+    assert whole["privacy"]["releases"] == 4
+    assert summary["privacy"]["epsilon"] == pytest.approx(whole["privacy"]["epsilon"], rel=1e-12)
