@@ -41,6 +41,17 @@ def test_node_keys_are_p384_openssh_pairs_flower_can_load(tmp_path):
     assert public.read_text().startswith("ecdsa-sha2-nistp384 ") and private.stat().st_mode & 0o077 == 0
 
 
+def test_superexec_secret_is_private_random_and_kept(tmp_path):
+    from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
+
+    path = credentials.make_superexec_secret(tmp_path / "superexec.secret")
+    secret = load_superexec_auth_secret(str(path))  # as the SuperLink and the SuperExec read it
+    assert len(secret) == 64 and int(secret, 16) and path.stat().st_mode & 0o777 == 0o600
+    credentials.make_superexec_secret(path)  # a re-run keeps it: both sides must still agree
+    assert path.read_bytes() == secret
+    assert credentials.make_superexec_secret(tmp_path / "other").read_bytes() != secret
+
+
 def test_flwr_config_entry_is_added_and_replaced(tmp_path):
     ca = credentials.make_tls(tmp_path / "certs", ["localhost"], [])["ca_cert"]
     home = tmp_path / "home"
