@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ class Checkpoint:
     strategy_state: dict[str, Any]
     rng: dict[str, Any]
     wall_time_s: float
+    run_state: dict[str, Any] = field(default_factory=dict)  # the run's own (e.g. local-DP histories per node)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -72,6 +73,7 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
         "strategy_state": ckpt.strategy_state,
         "rng": ckpt.rng,
         "wall_time_s": ckpt.wall_time_s,
+        "run_state": ckpt.run_state,
     }
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
@@ -91,4 +93,5 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         strategy_state=payload["strategy_state"],
         rng=payload["rng"],
         wall_time_s=float(payload["wall_time_s"]),
+        run_state=payload.get("run_state", {}),
     )

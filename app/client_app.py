@@ -127,15 +127,23 @@ def train_handler(msg: Message, context: Context) -> Message:
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if settings.privacy.name == "local":
-            from app.local_dp import train_private
+            from app.local_dp import history_key, train_private
 
+            key = history_key(partition, context.node_id)
             stats, dp_metrics = train_private(
-                job.model, train_data, settings.train, settings.privacy, job.precision, context.state, job.record
+                job.model,
+                train_data,
+                settings.train,
+                settings.privacy,
+                job.precision,
+                context.state,
+                job.record,
+                key=key,
             )
         else:
             stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed), {}
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
-    metrics: dict[str, float | int] = {
+    metrics: dict[str, float | int | list[float] | list[int]] = {
         "num-examples": stats.num_examples,
         "train-loss": stats.loss,
         "train-accuracy": stats.accuracy,

@@ -9,6 +9,7 @@ hands FedBuff a callback for every server update.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -211,6 +212,8 @@ class FederatedRun:
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
         check_cohort(cfg, self.strategy, len(self.nodes))
+        # local DP: each node's accountant history [[σ, q, steps], ...], kept for nodes whose Context is new
+        self.local_dp_history: dict[str, list[list[float]]] = {}
         if resume := checkpoint_to_resume(cfg, root):
             ckpt = load_checkpoint(resume)
             _check_compatible(ckpt, self.model, str(resume))
@@ -222,6 +225,7 @@ class FederatedRun:
             self.strategy.load_state_dict(ckpt.strategy_state)
             restore_rng(ckpt.rng)
             self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
+            self.local_dp_history = ckpt.run_state.get("local_dp_history", {})
             self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round)
             log.info("resuming %s after round %d", resume, ckpt.round)
         else:
@@ -262,6 +266,7 @@ class FederatedRun:
             **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
             "federation.rounds": cfg.federation.rounds,  # local DP plans its noise over all rounds
         }
+        self._send_local_dp_history()
         self.stop_reason = "rounds"
         self.dp: CentralDP | None = getattr(self.strategy, "dp", None)
         self.client_epsilons: dict[int, float] = {}  # local DP: each node's latest cumulative epsilon
@@ -307,11 +312,25 @@ class FederatedRun:
             }
         if self.cfg.privacy.name != "local":
             return {}
+        from app.local_dp import history_from_metrics, history_key
+
         for node, metrics in client_metrics:
             if isinstance(metrics.get(LOCAL_EPSILON_KEY), float):
                 self.client_epsilons[node] = float(metrics[LOCAL_EPSILON_KEY])
+            if history := history_from_metrics(metrics):
+                partition = metrics.get("partition-id")
+                key = history_key(partition if isinstance(partition, int) else None, node)
+                self.local_dp_history[key] = [list(entry) for entry in history]
+        self._send_local_dp_history()
         eps = list(self.client_epsilons.values())
         return {"client_epsilon_max": max(eps), "client_epsilon_mean": sum(eps) / len(eps)} if eps else {}
+
+    def _send_local_dp_history(self) -> None:
+        """Local DP: the next messages carry every node's recorded history (app/local_dp.py)."""
+        if self.cfg.privacy.name == "local" and self.local_dp_history:
+            from app.local_dp import PRIOR_KEY
+
+            self.client_config[PRIOR_KEY] = json.dumps(self.local_dp_history)
 
     def privacy_summary(self) -> dict[str, Any]:
         p = self.cfg.privacy
@@ -345,7 +364,12 @@ class FederatedRun:
         save_checkpoint(
             self.recorder.checkpoint_path,
             Checkpoint(
-                self.arrays.to_torch_state_dict(), rnd, self.strategy.state_dict(), capture_rng(), row["wall_time_s"]
+                self.arrays.to_torch_state_dict(),
+                rnd,
+                self.strategy.state_dict(),
+                capture_rng(),
+                row["wall_time_s"],
+                run_state={"local_dp_history": self.local_dp_history},
             ),
         )
         self.recorder.log_round(row)

@@ -9,17 +9,22 @@ that collates example by example and copies every batch to the device.
 
 The client's RDP accountant history [(σ, q, steps)] lives in its Context state
 (`ACCOUNTANT_STATE`), so the ε it reports every round (`dp-epsilon` at `privacy.delta`)
-is cumulative over every round it trained in. The state dies with the node's Context:
-a restarted SuperNode, or a fresh simulation after `resume=`, starts counting from zero.
+is cumulative over every round it trained in. A Context dies with a restarted SuperNode
+and with the run (a resumed run is a new Flower run), so every reply also carries the
+history (`dp-history-*`, merged per (σ, q)); the server keeps it per node, checkpoints it
+and sends it back (`PRIOR_KEY`), and a node whose Context has no history continues from
+that record instead of counting from zero.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -55,6 +60,8 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
 
 ACCOUNTANT_STATE = "local-dp-accountant"  # ConfigRecord in context.state: noise-multipliers, sample-rates, steps
+PRIOR_KEY = "dp-prior-history"  # message config: JSON {history key: [[σ, q, steps], ...]} the server recorded
+HISTORY_METRICS = ("dp-history-sigma", "dp-history-q", "dp-history-steps")  # reply: the merged history
 ROUNDS_KEY = "federation.rounds"  # message config: the rounds the server plans (needed by privacy.target_epsilon)
 # Beyond this the noise (std σ · clip_norm on a sum of ~batch_size clipped gradients) swamps any signal:
 # a target that needs more is treated as unreachable rather than silently training on noise.
@@ -157,6 +164,52 @@ def load_accountant(state: RecordDict) -> RDPAccountant:
     return accountant
 
 
+def history_key(partition: int | None, node_id: int) -> str:
+    """Whose history: the simulated partition (node ids change between simulations) or the
+    deployed node (with node authentication its id is tied to its registered key)."""
+    return f"partition-{partition}" if partition is not None else f"node-{node_id}"
+
+
+def merge_history(history: Iterable[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """RDP adds up over steps of the same (σ, q): merged entries give exactly the same ε."""
+    steps: Counter[tuple[float, float]] = Counter()
+    for sigma, q, n in history:
+        steps[(float(sigma), float(q))] += int(n)
+    return [(sigma, q, n) for (sigma, q), n in steps.items()]
+
+
+def history_metrics(accountant: RDPAccountant) -> dict[str, list[float] | list[int]]:
+    """The reply's copy of this node's whole (merged) history, for the server to keep."""
+    merged = merge_history(accountant.history)
+    return {
+        HISTORY_METRICS[0]: [s for s, _, _ in merged],
+        HISTORY_METRICS[1]: [q for _, q, _ in merged],
+        HISTORY_METRICS[2]: [n for _, _, n in merged],
+    }
+
+
+def history_from_metrics(metrics: Mapping) -> list[tuple[float, float, int]] | None:
+    """The history a reply carries (None if it carries none or a malformed one)."""
+    try:
+        sigmas, rates, steps = (list(metrics[k]) for k in HISTORY_METRICS)
+        return merge_history(zip(sigmas, rates, steps, strict=True))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def seed_accountant(state: RecordDict, record: Mapping, key: str) -> None:
+    """A node with no history of its own (a fresh Context) continues from the server's record."""
+    if ACCOUNTANT_STATE in state or PRIOR_KEY not in record:
+        return
+    prior = json.loads(str(record[PRIOR_KEY])).get(key)
+    if prior:
+        accountant = RDPAccountant()
+        accountant.history = merge_history(prior)
+        save_accountant(state, accountant)
+        steps = sum(n for _, _, n in accountant.history)
+        log.info("privacy=local: %s continues its accountant from the server's record (%d steps)", key, steps)
+
+
 def save_accountant(state: RecordDict, accountant: RDPAccountant) -> None:
     sigmas, rates, steps = zip(*accountant.history, strict=True)
     state[ACCOUNTANT_STATE] = ConfigRecord(
@@ -247,7 +300,8 @@ def train_private(
     state: RecordDict,
     record: dict,
     seed: int | None = None,
-) -> tuple[TrainStats, dict[str, float | int]]:
+    key: str = "",
+) -> tuple[TrainStats, dict[str, float | int | list[float] | list[int]]]:
     """One round of DP-SGD on this node's data; `model` (unwrapped) is updated in place.
 
     Returns the usual TrainStats and the reply's DP metrics: `dp-epsilon` (cumulative over
@@ -255,7 +309,8 @@ def train_private(
     `dp-steps` (cumulative DP-SGD steps). The accountant in `state` is updated once the
     round's steps are taken, before any reply is sent (a lost reply still counts: conservative).
     train.grad_clip does not apply: privacy.clip_norm bounds every example's gradient.
-    `seed` (tests only) fixes the sampling and the noise; see `dp_generators`.
+    `seed` (tests only) fixes the sampling and the noise; see `dp_generators`. `key`
+    (`history_key`) names this node in the server's record of histories.
     """
     n = len(data)
     if n == 0:
@@ -270,6 +325,7 @@ def train_private(
         )
     q, round_steps = sample_rate(n, cfg.batch_size), steps_per_round(n, cfg)
     sigma, planned = noise_for_round(privacy, record, q, round_steps)
+    seed_accountant(state, record, key)
     accountant = load_accountant(state)
     spent = sum(steps for _, _, steps in accountant.history)
     if planned is not None and spent + round_steps > planned:
@@ -321,9 +377,10 @@ def train_private(
         wrapped.to_standard_module()  # hooks and per-example attributes off the caller's model
     save_accountant(state, accountant)
     stats = train_stats(losses, outputs, labels, n, wall, device, steps=round_steps)
-    metrics: dict[str, float | int] = {
+    metrics: dict[str, float | int | list[float] | list[int]] = {
         "dp-epsilon": float(accountant.get_epsilon(privacy.delta)),
         "dp-noise-multiplier": float(sigma),
         "dp-steps": spent + round_steps,
+        **history_metrics(accountant),
     }
     return stats, metrics

@@ -243,3 +243,38 @@ def test_federation_with_local_dp_reports_client_epsilon(tmp_path):
     privacy = summary["privacy"]
     assert privacy["client_epsilon_max"] == pytest.approx(rows[-1]["client_epsilon_max"])
     assert privacy["mechanism"].startswith("local DP-SGD") and privacy["delta"] == cfg.privacy.delta
+
+
+def test_resumed_run_and_restarted_node_keep_counting_their_clients_epsilon(tmp_path):
+    """A resumed run starts every node with a fresh Context (and so would a restarted
+    SuperNode): the server's record of each node's accountant history (checkpointed, sent
+    back with the config) continues the count. Per-client epsilon equals an uninterrupted
+    run's; without it, the resumed run would report two rounds' worth."""
+    base = "privacy=local federation.rounds={} train.epochs=1"
+    whole = run_federation(InProcessGrid(client_app, 3), *load_config(base.format(4) + " name=w"), tmp_path)
+    run_federation(InProcessGrid(client_app, 3), *load_config(base.format(2) + " name=r"), tmp_path)
+    grid = InProcessGrid(client_app, 3)
+    resumed = run_federation(grid, *load_config(base.format(4) + " name=r resume=auto"), tmp_path)
+    assert resumed["rounds_completed"] == 4
+    for key in ("client_epsilon_max", "client_epsilon_mean"):
+        assert resumed["privacy"][key] == pytest.approx(whole["privacy"][key], rel=1e-9), key
+    history = grid.contexts[1000].state[ACCOUNTANT_STATE]  # seeded from the record, then round 3 and 4 added
+    assert sum(history["steps"]) == 4 * int(
+        json.loads(open(f"{whole['run_dir']}/metrics.jsonl").readline())["train"]["steps"]
+    )
+
+
+def test_a_node_that_lost_its_context_mid_run_continues_from_the_servers_record(tmp_path):
+    overrides = "privacy=local federation.rounds=3 train.epochs=1 name={}"
+    whole = run_federation(InProcessGrid(client_app, 3), *load_config(overrides.format("w")), tmp_path)
+    grid = InProcessGrid(client_app, 3)
+
+    def restart_after_round_1(node_id: int, reply: Message) -> Message:
+        if node_id == 1001 and reply.content["metrics"]["dp-steps"] == reply.content["metrics"]["steps"]:
+            del grid.contexts[node_id].state[ACCOUNTANT_STATE]  # as if the SuperNode had restarted
+        return reply
+
+    grid.tamper = restart_after_round_1
+    restarted = run_federation(grid, *load_config(overrides.format("r")), tmp_path)
+    for key in ("client_epsilon_max", "client_epsilon_mean"):
+        assert restarted["privacy"][key] == pytest.approx(whole["privacy"][key], rel=1e-9), key
