@@ -362,10 +362,12 @@ def test_dockerfile_images_are_pinned_and_targets_run_as_non_root() -> None:
         if image in names or image == "scratch":
             continue
         assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[\w.-]*", image), f"{image}: pin an exact version tag"
-    for target in ("cpu", "gpu"):
-        users = [line.split()[1] for line in stages[target] if line.startswith("USER ")]
-        assert users and users[-1] == "app", f"target {target} must end as the non-root user app"
-        assert any("fedgpu-install" in line for line in stages[target]), f"target {target} skips the shared recipe"
+    # the image stage builds on the variant's base (cpu or gpu), runs the shared recipe, ends non-root
+    assert "FROM base-${VARIANT} AS fedgpu" in (DOCKER / "Dockerfile").read_text() and froms[-1][1] == "fedgpu"
+    assert {"base-cpu", "base-gpu"} <= names
+    users = [line.split()[1] for line in stages["fedgpu"] if line.startswith("USER ")]
+    assert users and users[-1] == "app", "the image must end as the non-root user app"
+    assert any("fedgpu-install" in line for line in stages["fedgpu"]), "the image skips the shared recipe"
 
 
 def test_dockerignore_keeps_secrets_and_data_out_of_the_build_context() -> None:
