@@ -151,6 +151,34 @@ class FederationConfig:
     target_accuracy: float = 0.0  # stop once central accuracy reaches this; 0 = never
 
 
+@dataclass(unsafe_hash=True)
+class SimulationConfig:
+    """Simulated federation size for `python -m app.sweep` (its --federation-config); the ServerApp ignores it."""
+
+    num_supernodes: int = 5
+    client_cpus: int = 1  # Ray CPUs per ClientApp (Flower 1.42 takes whole CPUs)
+    client_gpus: float = 0.0  # GPU share per ClientApp
+
+
+@dataclass(unsafe_hash=True)
+class TrackingConfig:
+    """Experiment trackers fed with every metrics.jsonl row (app/tracking.py)."""
+
+    tensorboard: bool = True
+    mlflow: bool = False
+    mlflow_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite in the results root
+    mlflow_experiment: str = "fedgpu"
+
+
+@dataclass(unsafe_hash=True)
+class SweepConfig:
+    """Where and how `python -m app.sweep` runs its jobs; the ServerApp ignores it."""
+
+    root: str = "~/fedgpu-runs/sweeps"
+    name: str = "default"
+    timeout_s: float = 3600.0  # per job; 0 = no limit
+
+
 @dataclass
 class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -162,6 +190,9 @@ class Config:
     attack: AttackConfig = field(default_factory=AttackConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     seed: int = 42
     name: str | None = None
     resume: str | None = None
@@ -332,6 +363,14 @@ def validate(cfg: Config) -> Config:
     _require(
         0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
     )
+
+    m = cfg.simulation
+    _require(m.num_supernodes >= 1, "simulation.num_supernodes", m.num_supernodes, "must be >= 1")
+    _require(m.client_cpus >= 1, "simulation.client_cpus", m.client_cpus, "must be >= 1 (whole CPUs)")
+    _require(m.client_gpus >= 0, "simulation.client_gpus", m.client_gpus, "must be >= 0 (0 = CPU only)")
+    _require(bool(cfg.tracking.mlflow_experiment), "tracking.mlflow_experiment", "", "must not be empty")
+    _require(bool(cfg.sweep.name) and "/" not in cfg.sweep.name, "sweep.name", cfg.sweep.name, "a directory name")
+    _require(cfg.sweep.timeout_s >= 0, "sweep.timeout_s", cfg.sweep.timeout_s, "must be >= 0 (0 = no limit)")
 
     _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
     if cfg.resume == "auto":

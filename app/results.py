@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import ConfigError
+from app.tracking import Trackers
 
 DEFAULT_OUTPUT_ROOT = Path.home() / "fedgpu-runs"
 
@@ -82,6 +83,8 @@ class RunRecorder:
         self.checkpoint_path = self.run_dir / "checkpoint.pt"
         self.final_model_path = self.run_dir / "model_final.pt"
         self.rows: list[dict[str, Any]] = []
+        self.resumed_after = resumed_after
+        self.trackers: Trackers | None = None  # started by save_config, which knows the `tracking` settings
         if resumed_after and self.metrics_path.exists():
             # Rounds after the checkpoint were lost with the crash; they are re-run.
             lines = self.metrics_path.read_text().splitlines()
@@ -90,12 +93,15 @@ class RunRecorder:
 
     def save_config(self, cfg: DictConfig) -> None:
         OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
+        self.trackers = Trackers(self.run_dir, OmegaConf.to_container(cfg, resolve=True), self.resumed_after)
 
     def log_round(self, row: dict[str, Any]) -> None:
         row = _clean(row)
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.trackers is not None:
+            self.trackers.log_row(row)
 
     def finish(self, status: str, wall_time_s: float, extra: dict[str, Any]) -> dict[str, Any]:
         accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
@@ -113,6 +119,8 @@ class RunRecorder:
         (self.run_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
         if self.rows:
             self.plot()
+        if self.trackers is not None:
+            self.trackers.close(summary)
         return summary
 
     def plot(self) -> Path:

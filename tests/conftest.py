@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -13,6 +12,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 
 from app.local_grid import act_as_server
+from app.processes import free_ports  # noqa: F401 - re-exported for the tests
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -57,20 +57,6 @@ def context_for(partition_id: int, num_partitions: int, node_config: dict | None
         state=RecordDict(),
         run_config={},
     )
-
-
-def free_ports(n: int) -> list[int]:
-    """Ports the kernel has just handed out (all bound at once, so they are distinct)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def load_script(name: str) -> ModuleType:

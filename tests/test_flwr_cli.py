@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 from conftest import free_ports
-from processes import stop_processes
+
+from app.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300

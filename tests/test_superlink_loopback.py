@@ -43,7 +43,8 @@ import httpx
 import numpy as np
 import pytest
 from conftest import free_ports, load_script
-from processes import kill_matching, stop_processes
+
+from app.processes import kill_matching, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 credentials = load_script("credentials")

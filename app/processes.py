@@ -1,6 +1,7 @@
-"""Finding and stopping the real Flower processes a test started.
+"""Finding and stopping the real Flower processes started under one private FLWR_HOME
+(a sweep job's, a test's), and free ports for them.
 
-Every such process gets a private directory (its FLWR_HOME) in its command line or
+Every such process has its private directory (its FLWR_HOME) in its command line or
 environment; that path is the marker. Flower detaches some of them (the SuperLink's
 SuperExec runs in its own session) and spawns others per run or message, so the
 search follows sessions and descendants too.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -43,8 +45,11 @@ def _marked(pid: int, marker: bytes) -> bool:
 def processes_under(marker: str) -> set[int]:
     """Live processes started for `marker`: matches, the sessions they lead, descendants.
 
-    Never this test process or its ancestors; zombies are skipped (already dead).
+    Never this process or its ancestors; zombies are skipped (already dead). Linux only
+    (/proc): elsewhere nothing is found and nothing is stopped.
     """
+    if not Path("/proc").is_dir():
+        return set()
     table, mark = _proc_table(), marker.rstrip("/").encode()
     protected, pid = set(), os.getpid()
     while pid > 1 and pid not in protected:
@@ -67,8 +72,8 @@ def _signal_all(pids: set[int], sig: signal.Signals) -> None:
 
 
 def stop_processes(marker: str, grace_s: float = 0.0) -> None:
-    """SIGTERM the processes of `marker` for up to `grace_s`, SIGKILL the rest, and fail
-    loudly if one survives."""
+    """SIGTERM the processes of `marker` for up to `grace_s`, SIGKILL the rest; RuntimeError
+    naming any that survive."""
     deadline = time.monotonic() + grace_s
     while (pids := processes_under(marker)) and time.monotonic() < deadline:
         _signal_all(pids, signal.SIGTERM)
@@ -79,7 +84,8 @@ def stop_processes(marker: str, grace_s: float = 0.0) -> None:
         _signal_all(pids, signal.SIGKILL)
         time.sleep(0.2)
     left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in processes_under(marker)}
-    assert not left, f"processes under {marker} survived SIGKILL: {left}"
+    if left:
+        raise RuntimeError(f"processes under {marker} survived SIGKILL: {left}")
 
 
 def kill_matching(marker: str, program: str) -> set[int]:
@@ -90,3 +96,17 @@ def kill_matching(marker: str, program: str) -> set[int]:
     }  # fmt: skip
     _signal_all(pids, signal.SIGKILL)
     return pids
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports the kernel has just handed out (all bound at once, so they are distinct)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
