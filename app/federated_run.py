@@ -260,12 +260,15 @@ class FederatedRun:
                 [round(x, 2) for x in self.slowdowns],
                 cfg.stragglers.dropout,
             )
-        self.client_config = {
-            **to_client_record(cfg),
-            **spec_to_record(spec),
-            **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
-            "federation.rounds": cfg.federation.rounds,  # local DP plans its noise over all rounds
-        }
+        # One live record: FedBuff copies it into every task, so updates (local-DP histories) reach later tasks.
+        self.client_config = ConfigRecord(
+            {
+                **to_client_record(cfg),
+                **spec_to_record(spec),
+                **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
+                "federation.rounds": cfg.federation.rounds,  # local DP plans its noise over all rounds
+            }
+        )
         self._send_local_dp_history()
         self.stop_reason = "rounds"
         self.dp: CentralDP | None = getattr(self.strategy, "dp", None)
@@ -483,7 +486,7 @@ class FederatedRun:
         self.arrays = strategy.run(
             self.grid,
             self.arrays,
-            ConfigRecord(self.client_config),
+            self.client_config,
             on_version,
             first_version=self.first_round - 1,
             deadline=deadline,

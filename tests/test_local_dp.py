@@ -264,8 +264,9 @@ def test_resumed_run_and_restarted_node_keep_counting_their_clients_epsilon(tmp_
     )
 
 
-def test_a_node_that_lost_its_context_mid_run_continues_from_the_servers_record(tmp_path):
-    overrides = "privacy=local federation.rounds=3 train.epochs=1 name={}"
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbuff strategy.buffer_size=3"])
+def test_a_node_that_lost_its_context_mid_run_continues_from_the_servers_record(tmp_path, strategy):
+    overrides = f"strategy={strategy} privacy=local federation.rounds=3 train.epochs=1 name={{}}"
     whole = run_federation(InProcessGrid(client_app, 3), *load_config(overrides.format("w")), tmp_path)
     grid = InProcessGrid(client_app, 3)
 
