@@ -195,17 +195,31 @@ def test_superlink_tls_node_auth_and_locked_runtime_api(layout: str, tmp_path: P
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_only_the_superlink_publishes_a_port(layout: str, tmp_path: Path) -> None:
+def test_only_the_fleet_api_is_published_to_the_network(layout: str, tmp_path: Path) -> None:
     services = _model(layout, tmp_path)["services"]
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
     if layout == "client":
         assert published == {}, "a site needs no inbound port"
         return
-    assert set(published) == {"superlink"}, published
-    (port,) = published["superlink"]
-    assert (port["target"], port["published"]) == (9092, "9092"), port
-    if layout.startswith("all-in-one"):  # local demo: not reachable from the network
-        assert port.get("host_ip") == "127.0.0.1", port
+    if layout.startswith("all-in-one"):  # local demo: the SuperLink, not reachable from the network
+        assert set(published) == {"superlink"}, published
+        (port,) = published["superlink"]
+        assert (port["target"], port["published"], port.get("host_ip")) == (9092, "9092", "127.0.0.1"), port
+        return
+    # server: the public port is the Fleet-only edge; the SuperLink's own (Control API) is loopback-only
+    assert set(published) == {"edge", "superlink"}, published
+    (public,) = published["edge"]
+    assert (public["target"], public["published"], public.get("host_ip", "")) == (9092, "9092", ""), public
+    (operator,) = published["superlink"]
+    assert (operator["target"], operator["published"], operator.get("host_ip")) == (9092, "9093", "127.0.0.1")
+    edge = services["edge"]
+    template = _mounts(edge)["/etc/nginx/templates/fleet-edge.conf.template"]
+    assert Path(template["source"]) == DOCKER / "server" / "fleet-edge.conf.template" and template["read_only"]
+    env = edge["environment"]
+    assert (env["SUPERLINK"], env["SUPERLINK_NAME"], env["EDGE_PORT"]) == ("superlink:9092", "superlink", "9092")
+    for name in ("ca.crt", "superlink.crt", "superlink.key"):
+        _assert_mounted_read_only(edge, f"{env['CREDS']}/{name}", f"edge {name}")
+    assert edge["depends_on"]["superlink"]["condition"] == "service_healthy"
 
 
 @pytest.mark.parametrize("layout", ["all-in-one", "all-in-one-cpu", "client"])

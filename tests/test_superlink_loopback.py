@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import socket
+import string
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -169,7 +170,14 @@ class LoopbackRun:
 class LoopbackFederation:
     """A SuperLink and `num_nodes` SuperNodes on 127.0.0.1, each in its own FLWR_HOME."""
 
-    def __init__(self, root: Path, num_nodes: int, secure: bool = False, data_paths: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        num_nodes: int,
+        secure: bool = False,
+        data_paths: list[Path] | None = None,
+        edge: bool = False,
+    ) -> None:
         self.secure = secure  # TLS with our CA, and SuperNode authentication with registered keys
         self.root = root.resolve()
         self.num_nodes = num_nodes
@@ -178,6 +186,8 @@ class LoopbackFederation:
         self.node_ids: list[int] = []
         self.port, *self.node_ports = free_ports(1 + num_nodes)
         self.data_paths = data_paths
+        self.edge = edge  # SuperNodes connect through docker/server/fleet-edge.conf.template (nginx)
+        self.fleet_port = free_ports(1)[0] if edge else self.port
         self.superlink: subprocess.Popen | None = None
         self._runs = self._superlink_starts = 0
 
@@ -210,6 +220,8 @@ class LoopbackFederation:
     def start(self) -> None:
         """SuperLink first (nodes back off exponentially while it is down), then the nodes."""
         self.start_superlink()
+        if self.edge:
+            self.start_edge()
         self.write_cli_config(CONNECTION, root_certificates=self.creds / "ca.crt" if self.secure else None)
         logs = []
         for i, port in enumerate(self.node_ports):
@@ -266,6 +278,34 @@ class LoopbackFederation:
                 log_name=f"output-{self._superlink_starts}.log",
             )  # fmt: skip
 
+    def start_edge(self) -> None:
+        """nginx with the shipped Fleet-only proxy config in front of the SuperLink."""
+        assert self.secure, "the edge terminates TLS with the SuperLink's certificate"
+        home = self.root / "edge"
+        for sub in ("tmp", "logs"):
+            (home / sub).mkdir(parents=True, exist_ok=True)
+        template = (ROOT / "docker" / "server" / "fleet-edge.conf.template").read_text()
+        server = string.Template(template).safe_substitute(
+            EDGE_PORT=f"127.0.0.1:{self.fleet_port}", CREDS=str(self.creds), SUPERLINK=self.address,
+            SUPERLINK_NAME="localhost",
+        )  # fmt: skip
+        (home / "fleet-edge.conf").write_text(server)
+        temp = " ".join(f"{kind}_temp_path {home / 'tmp' / kind};" for kind in ("client_body", "proxy"))
+        (home / "nginx.conf").write_text(
+            ("user root;\n" if os.geteuid() == 0 else "")  # workers must read the temp dirs under tmp_path
+            + f"pid {home / 'nginx.pid'};\nerror_log {home / 'logs' / 'error.log'} info;\nevents {{}}\n"
+            + f"http {{\n access_log {home / 'logs' / 'access.log'};\n {temp}\n include {home / 'fleet-edge.conf'};\n}}\n"
+        )
+        proc, log = self._spawn("edge", ["nginx", "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"])
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"nginx exited {proc.returncode}:\n{_tail(log)}")
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.fleet_port)) == 0
+
+        _wait_until(listening, START_TIMEOUT_S, f"nginx on port {self.fleet_port}")
+
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
@@ -300,10 +340,11 @@ class LoopbackFederation:
             "--isolation", "process", "--superexec-auth-secret-file", str(c / "superexec.secret"),
         ]  # fmt: skip
 
-    def write_cli_config(self, name: str, root_certificates: Path | None) -> None:
-        """The CLI's connection entry (scripts/credentials.py), made the default."""
+    def write_cli_config(self, name: str, root_certificates: Path | None, port: int | None = None) -> None:
+        """The CLI's connection entry (scripts/credentials.py) to the SuperLink (or `port`);
+        the test's own connection is made the default."""
         home = Path(self.env("cli")["FLWR_HOME"])
-        credentials.write_flwr_config(name, f"127.0.0.1:{self.port}", root_certificates, home)
+        credentials.write_flwr_config(name, f"127.0.0.1:{port or self.port}", root_certificates, home)
         if name == CONNECTION:
             text = (home / "config.toml").read_text()
             (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n' + text)
@@ -320,7 +361,7 @@ class LoopbackFederation:
         return self._spawn(
             name,
             [
-                "flower-supernode", *security, "--superlink", f"127.0.0.1:{self.port}", "--port", str(port),
+                "flower-supernode", *security, "--superlink", f"127.0.0.1:{self.fleet_port}", "--port", str(port),
                 "--node-config", self.node_config(partition),
             ],
         )  # fmt: skip
@@ -378,13 +419,13 @@ class LoopbackFederation:
 
 @contextmanager
 def loopback_federation(
-    tmp_path: Path, num_nodes: int = 3, secure: bool = False, data_paths: list[Path] | None = None
+    tmp_path: Path, num_nodes: int = 3, secure: bool = False, data_paths: list[Path] | None = None, edge: bool = False
 ) -> Iterator[LoopbackFederation]:
     """A running loopback federation; every process it started is gone afterwards."""
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
             pytest.fail(f"`{tool}` is not on PATH: pip install -e '.[test]'")
-    fed = LoopbackFederation(tmp_path / "loopback", num_nodes, secure, data_paths)
+    fed = LoopbackFederation(tmp_path / "loopback", num_nodes, secure, data_paths, edge)
     try:
         t0 = time.monotonic()
         fed.start()
@@ -521,3 +562,25 @@ def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_
     whole = run_federation(InProcessGrid(client_app, 3), cfg, raw, tmp_path / "uninterrupted")
     assert whole["privacy"]["releases"] == 4
     assert summary["privacy"]["epsilon"] == pytest.approx(whole["privacy"]["epsilon"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_the_fleet_edge_lets_nodes_train_and_refuses_everything_else(tmp_path: Path) -> None:
+    """docker/server/fleet-edge.conf.template on a real nginx: SuperNodes train through it;
+    the Control API (submit runs, register keys) and the Runtime API are refused there (403),
+    and stay reachable on the SuperLink's own port for the operator."""
+    if shutil.which("nginx") is None:
+        pytest.skip("nginx is not installed (apt-get install nginx; .ci/run does)")
+    with loopback_federation(tmp_path, num_nodes=2, secure=True, edge=True) as fed:
+        fed.write_cli_config("via-edge", root_certificates=fed.creds / "ca.crt", port=fed.fleet_port)
+        control = fed.cli("supernode", "list", "via-edge", "--format", "json", timeout=120)
+        runtime = acquire_task_status(f"127.0.0.1:{fed.fleet_port}", fed.creds / "ca.crt")
+        summary = fed.run("federation.rounds=1 federation.min_available_nodes=2 train.epochs=1", timeout=240)
+        access = (fed.root / "edge" / "logs" / "access.log").read_text()
+
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 1, summary
+    assert runtime == 403, runtime
+    answer = json.loads(control.stdout[control.stdout.index("{") :])
+    assert answer["success"] is False, answer
+    assert '"POST /v1/fleet/pull-messages' in access and "/v1/fleet/push-messages" in access
+    assert '"POST /v1/control/' in access and '" 403 ' in access
