@@ -20,6 +20,7 @@ from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -115,7 +116,8 @@ class InProcessGrid(Grid):
             msg, future = self._pending[mid]
             node = msg.metadata.dst_node_id
             if node in self.dead:
-                reply = Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason=f"node {node} is gone"), reply_to=msg)
+                # What the SuperLink answers (from its own node id, not the vanished node's)
+                reply = create_message_error_unavailable_res_message(msg.metadata, "node_unavail")
             elif future.done() and future.result() is not None:
                 reply = future.result()
             else:

@@ -45,6 +45,11 @@ class RoundReport:
         }
 
 
+def _destinations(messages: list[Message]) -> dict[str, int]:
+    """message id -> destination node, for the messages the grid has pushed."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+
+
 class FedAvg(Strategy):
     """Sample-weighted FedAvg (a Flower message-API strategy).
 
@@ -76,6 +81,8 @@ class FedAvg(Strategy):
         self.evaluate_report = RoundReport()
         self._specs: dict[str, ArraySpec] = {}
         self._global: TensorDict = {}  # the model sent this round: every reply's base
+        self._sent_train: list[Message] = []  # this round's messages (to name a rejection's node)
+        self._sent_evaluate: list[Message] = []
 
     def summary(self) -> None:
         log.info(
@@ -130,6 +137,7 @@ class FedAvg(Strategy):
             server_round, arrays, config, grid, self.fraction_train, self.min_train_nodes, MessageType.TRAIN
         )
         self.train_report = RoundReport(sampled=len(messages))
+        self._sent_train = messages  # the grid gives them their ids when it pushes them
         return messages
 
     def configure_evaluate(
@@ -139,6 +147,7 @@ class FedAvg(Strategy):
             server_round, arrays, config, grid, self.fraction_evaluate, self.min_evaluate_nodes, MessageType.EVALUATE
         )
         self.evaluate_report = RoundReport(sampled=len(messages))
+        self._sent_evaluate = messages
         return messages
 
     # --- aggregating ------------------------------------------------------------
@@ -170,7 +179,9 @@ class FedAvg(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        screened = screen_replies(replies, self._specs, check_finite=self.screen_finite)
+        screened = screen_replies(
+            replies, self._specs, check_finite=self.screen_finite, sent=_destinations(self._sent_train)
+        )
         report = self.train_report
         new = self.aggregate_models(server_round, screened)
         report.rejected = screened.rejected
@@ -183,7 +194,7 @@ class FedAvg(Strategy):
         return tensors_to_record(new, consume=True), weighted_metrics(used)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        screened = screen_replies(replies, None)
+        screened = screen_replies(replies, None, sent=_destinations(self._sent_evaluate))
         self.evaluate_report.accepted = [r.node_id for r in screened.valid]
         self.evaluate_report.rejected = screened.rejected
         return weighted_metrics(screened.valid) if screened.valid else None

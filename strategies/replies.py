@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -126,14 +126,20 @@ def screen_replies(
     specs: dict[str, ArraySpec] | None,
     weight_key: str = WEIGHT_KEY,
     check_finite: bool = True,
+    sent: Mapping[str, int] | None = None,
 ) -> Screened:
-    """Split replies into valid ones and logged rejections."""
+    """Split replies into valid ones and logged rejections.
+
+    `sent` (message id -> destination node) names the node a rejection is about: an error
+    the SuperLink answers for a vanished node (NODE_UNAVAILABLE) comes from the SuperLink's
+    own node id, not from the node the task was for.
+    """
     out = Screened()
     for msg in replies:
         try:
             out.valid.append(screen_reply(msg, specs, weight_key, check_finite))
         except InvalidReply as err:
-            node = msg.metadata.src_node_id
+            node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
             out.rejected.append(Rejection(node, str(err)))
             log.warning("rejected reply from node %s: %s", node, err)
     return out

@@ -81,7 +81,7 @@ def test_a_node_that_vanishes_mid_run_does_not_stall_it(tmp_path):
     rows = _rows(summary)
     assert summary["status"] == "completed" and summary["rounds_completed"] == 10
     failed = [f for r in rows for f in r["failed"]]
-    assert any(f["node_id"] == 1002 and "node 1002 is gone" in f["reason"] for f in failed)
+    assert any(f["node_id"] == 1002 and "Node Unavailable" in f["reason"] for f in failed)
     assert sum(m.metadata.dst_node_id == 1002 for m in grid.pushed) == 2  # no work sent after it left
     assert all(u["node_id"] != 1002 for r in rows[-3:] for u in r["applied"])
 

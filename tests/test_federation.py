@@ -75,6 +75,29 @@ def test_resume_auto_starts_a_named_run_then_continues_it(tmp_path):
     assert resumed["run_dir"] == first["run_dir"] and [r["round"] for r in _rows(resumed)] == [1, 2, 3]
 
 
+def test_a_node_that_vanishes_mid_round_is_named_in_the_rejections(tmp_path):
+    """Its task comes back as the SuperLink's NODE_UNAVAILABLE error (sent from the SuperLink's
+    own node id); the round goes on with the others and the row names the vanished node."""
+    grid_box: list[InProcessGrid] = []
+
+    def tamper(node_id: int, reply: Message) -> Message:
+        calls[node_id] = calls.get(node_id, 0) + 1
+        if node_id == 1002 and calls[node_id] == 2:  # its round-2 training, right before its reply
+            grid_box[0].kill(node_id)
+        return reply
+
+    calls: dict[int, int] = {}
+    cfg, raw = load_config(FAST.format(rounds=3))
+    grid = InProcessGrid(client_app, 3, tamper=tamper)
+    grid_box.append(grid)
+    summary = run_federation(grid, cfg, raw, tmp_path)
+    rows = _rows(summary)
+    assert summary["status"] == "completed" and [r["num_clients"] for r in rows] == [3, 2, 2]
+    (rejected,) = rows[1]["rejected"]
+    assert rejected["node_id"] == 1002 and "Node Unavailable" in rejected["reason"], rejected
+    assert rows[2]["num_sampled"] == 2  # gone from the node list afterwards
+
+
 def test_resume_past_the_last_round_is_refused(tmp_path):
     from app.config import ConfigError
 

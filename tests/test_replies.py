@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import make_reply
-from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from strategies.fedavg import FedAvg
 from strategies.replies import screen_replies, specs_of, weighted_metrics
@@ -98,3 +98,18 @@ def test_content_record_without_metricrecord_key_is_rejected(model_arrays):
     msg.content["metrics2"] = MetricRecord({"num-examples": 3})
     screened = screen_replies([msg], specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()})))
     assert not screened.valid and "exactly one MetricRecord" in screened.rejected[0].reason
+
+
+def test_a_superlink_error_for_a_vanished_node_is_charged_to_that_node():
+    """Flower's SuperLink answers a task for a node that stopped heartbeating with an error
+    from its own node id (1); the rejection must name the node the task was for."""
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    ins = Message(RecordDict(), dst_node_id=7, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "task-7"
+    reply = create_message_error_unavailable_res_message(ins.metadata, "node_unavail")
+    assert reply.metadata.src_node_id == 1  # the SuperLink's
+    (named,) = screen_replies([reply], None, sent={"task-7": 7}).rejected
+    assert named.node_id == 7 and "Node Unavailable" in named.reason
+    (unnamed,) = screen_replies([reply], None).rejected
+    assert unnamed.node_id == 1
