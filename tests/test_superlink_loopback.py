@@ -75,6 +75,18 @@ def _tail(path: Path, chars: int = 4000) -> str:
         return f"<no {path}>"
 
 
+def _wait_listening(proc: subprocess.Popen, log: Path, port: int, what: str) -> None:
+    """Until something listens on 127.0.0.1:`port`; fail with `proc`'s log if it exits first."""
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited {proc.returncode}:\n{_tail(log)}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    _wait_until(listening, START_TIMEOUT_S, f"{what} on port {port}")
+
+
 def _killpg(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
@@ -259,14 +271,7 @@ class LoopbackFederation:
             log_name=f"output-{self._superlink_starts}.log",
         )  # fmt: skip
         self.superlink = superlink
-
-        def listening() -> bool:
-            if superlink.poll() is not None:
-                raise AssertionError(f"flower-superlink exited {superlink.returncode}:\n{_tail(sl_log)}")
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-        _wait_until(listening, START_TIMEOUT_S, f"flower-superlink on port {self.port}")
+        _wait_listening(superlink, sl_log, self.port, "flower-superlink")
         if self.secure:
             self._spawn(
                 "superexec",
@@ -297,14 +302,7 @@ class LoopbackFederation:
             + f"http {{\n access_log {home / 'logs' / 'access.log'};\n {temp}\n include {home / 'fleet-edge.conf'};\n}}\n"
         )
         proc, log = self._spawn("edge", ["nginx", "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"])
-
-        def listening() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"nginx exited {proc.returncode}:\n{_tail(log)}")
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", self.fleet_port)) == 0
-
-        _wait_until(listening, START_TIMEOUT_S, f"nginx on port {self.fleet_port}")
+        _wait_listening(proc, log, self.fleet_port, "nginx")
 
     @property
     def address(self) -> str:
