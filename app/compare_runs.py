@@ -13,14 +13,15 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from app.results import read_rows
+
 
 def read_curve(run_dir: Path) -> tuple[list[float], list[int], list[float]]:
     """(wall times, rounds, accuracies) of the evaluated rows of a run's metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass run directories (the ones holding metrics.jsonl)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("accuracy") is not None]
+    rows = [r for r in read_rows(run_dir) if r.get("accuracy") is not None]
     return [r["wall_time_s"] for r in rows], [r["round"] for r in rows], [r["accuracy"] for r in rows]
 
 

@@ -10,8 +10,10 @@ search follows sessions and descendants too.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -110,3 +112,12 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def flwr_cli() -> str:
+    """The `flwr` CLI of this Python environment (falls back to PATH)."""
+    here = Path(sys.executable).parent / "flwr"
+    found = str(here) if here.is_file() else shutil.which("flwr")
+    if not found:
+        raise RuntimeError("the `flwr` CLI is not installed in this environment: pip install -e . (or flwr)")
+    return found

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from app.results import read_rows
 from app.tracking import flat_params
 
 DEFAULT_TARGET = 0.95
@@ -81,9 +82,7 @@ def load_run(path: Path) -> Run:
         if (path / "config.yaml").is_file()
         else {}
     )
-    rows = []
-    if (path / "metrics.jsonl").is_file():
-        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_rows(path)
     status = job.get("status") or (summary or {}).get("status") or "running"
     if status == "completed" and (summary or {}).get("status") != "completed":
         status = "failed"  # job.json says done but the run's own record disagrees: trust the run

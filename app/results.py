@@ -73,6 +73,14 @@ def _clean(value: Any) -> Any:  # noqa: ANN401
     return value
 
 
+def read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl ([] if it has none yet)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class RunRecorder:
     """Appends one JSON line per round and writes the summary and plot at the end."""
 
@@ -85,10 +93,9 @@ class RunRecorder:
         self.rows: list[dict[str, Any]] = []
         self.resumed_after = resumed_after
         self.trackers: Trackers | None = None  # started by save_config, which knows the `tracking` settings
-        if resumed_after and self.metrics_path.exists():
+        if resumed_after:
             # Rounds after the checkpoint were lost with the crash; they are re-run.
-            lines = self.metrics_path.read_text().splitlines()
-            self.rows = [r for r in map(json.loads, filter(None, lines)) if r["round"] <= resumed_after]
+            self.rows = [r for r in read_rows(self.run_dir) if r["round"] <= resumed_after]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
 
     def save_config(self, cfg: DictConfig) -> None:

@@ -37,7 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import CONF_DIR, ConfigError, to_typed, validate
-from app.processes import free_ports, stop_processes
+from app.processes import flwr_cli, free_ports, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +147,6 @@ def flower_env(home: Path) -> dict[str, str]:
         "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-
-
-def flwr_cli() -> str:
-    """The `flwr` of this Python environment (falls back to PATH)."""
-    here = Path(sys.executable).parent / "flwr"
-    found = str(here) if here.is_file() else shutil.which("flwr")
-    if not found:
-        raise RuntimeError("the `flwr` CLI is not installed in this environment: pip install -e .")
-    return found
 
 
 def run_status(env: dict[str, str], run_id: str, deadline: float) -> dict[str, Any]:

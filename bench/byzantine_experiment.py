@@ -43,6 +43,7 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
     from app.config import load_config
     from app.federated_run import run_federation
     from app.local_grid import InProcessGrid
+    from app.results import read_rows
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after the imports: flwr sets it on import
@@ -52,8 +53,7 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
     cfg, raw = load_config(overrides)
     started = time.time()
     summary = run_federation(InProcessGrid(client_app, nodes), cfg, raw, Path(out_root))
-    with open(Path(summary["run_dir"]) / "metrics.jsonl") as f:
-        curve = [json.loads(line)["accuracy"] for line in f]
+    curve = [row["accuracy"] for row in read_rows(Path(summary["run_dir"]))]
     return {
         "strategy": strategy,
         "attack": attack,

@@ -36,6 +36,7 @@ from app.client_app import app as client_app  # noqa: E402
 from app.config import load_config  # noqa: E402
 from app.federated_run import run_federation  # noqa: E402
 from app.local_grid import InProcessGrid  # noqa: E402
+from app.results import read_rows  # noqa: E402
 
 CENTRAL = "model.width=16 federation.rounds=30"  # privacy=central* clips at 1.0
 GROUPS = {
@@ -71,8 +72,7 @@ def run(label: str, overrides: str, nodes: int, seed: int, root: Path) -> dict:
     summary = run_federation(InProcessGrid(client_app, nodes), cfg, raw, root)
     privacy = summary["privacy"]
     epsilon = privacy.get("epsilon", privacy.get("client_epsilon_max"))
-    with open(Path(summary["run_dir"]) / "metrics.jsonl") as f:
-        curve = [json.loads(line)["accuracy"] for line in f]
+    curve = [row["accuracy"] for row in read_rows(Path(summary["run_dir"]))]
     return {
         "label": label,
         "nodes": nodes,

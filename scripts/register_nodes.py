@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ run as files, not a package
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the app, also from a checkout
 
 from credentials import write_flwr_config  # noqa: E402
+
+from app.processes import flwr_cli  # noqa: E402
 
 CONNECTION = "register-nodes"  # the entry's name in the temporary FLWR_HOME (--address)
 ALREADY_REGISTERED = "already in use"  # Flower 1.42: "[code: 23] Public key already in use."
@@ -46,15 +48,6 @@ class RegistrationError(RuntimeError):
     """Something an operator must fix; the message says what."""
 
 
-def _flwr() -> str:
-    """The `flwr` CLI of this Python environment (else the first one on PATH)."""
-    beside = Path(sys.executable).with_name("flwr")
-    found = str(beside) if beside.is_file() else shutil.which("flwr")
-    if found is None:
-        raise RegistrationError("the `flwr` CLI is not installed here: pip install flwr (or this app)")
-    return found
-
-
 def _run_json(args: Sequence[str], env: dict[str, str]) -> dict:
     """Run `flwr ... --format json`; its JSON answer, or {"success": False, ...} with the output.
 
@@ -62,7 +55,12 @@ def _run_json(args: Sequence[str], env: dict[str, str]) -> dict:
     (exit code != 0) for others (e.g. an invalid key file); both come back as a dict."""
     try:
         proc = subprocess.run(
-            [_flwr(), *args], env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL
+            [flwr_cli(), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
         return {"success": False, "error-message": f"`flwr {' '.join(args)}` gave no answer in {CLI_TIMEOUT_S:.0f} s"}
@@ -161,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"waiting for the SuperLink {where} ...", flush=True)
             wait_for_superlink(connection, env, args.timeout, where)
             register(args.keys, connection, env)
-        except RegistrationError as err:
+        except RuntimeError as err:  # RegistrationError, or no `flwr` CLI
             print(f"error: {err}", file=sys.stderr)
             return 1
     print(f"{len(args.keys)} key(s) registered with the SuperLink {where}", flush=True)
