@@ -117,6 +117,16 @@ def test_runs_stop_at_the_target_accuracy_or_the_wall_clock_budget(tmp_path, str
     assert budget["final_accuracy"] is not None
 
 
+def test_a_fedbuff_budget_spent_before_the_first_version_still_reports_the_initial_model(tmp_path):
+    """The budget is gone before the loop starts (set-up alone takes longer than 1 ms),
+    whatever the machine's speed: nothing is applied, and the initial model is evaluated."""
+    summary, _ = _run(tmp_path, "strategy=fedbuff federation.rounds=10 federation.max_wall_time_s=0.001 seed=5")
+    assert summary["status"] == "completed" and summary["stop_reason"] == "wall-clock budget 0 s spent"
+    assert summary["rounds_completed"] == 0 and summary["fedbuff"]["versions"] == 0
+    assert 0.0 <= summary["final_accuracy"] <= 0.3  # an untrained 10-class model
+    assert not (tmp_path / summary["run_dir"] / "metrics.jsonl").read_text()
+
+
 def test_flower_style_start_runs_the_asynchronous_loop():
     """FedBuff.start keeps Flower's Strategy.start contract: N server updates, evaluate_fn each."""
     from app.config import to_client_record
