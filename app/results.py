@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from app.config import ConfigError
+from app.config import ConfigError, check_dir_name
 from app.tracking import Trackers
 
 DEFAULT_OUTPUT_ROOT = Path.home() / "fedgpu-runs"
@@ -39,18 +39,20 @@ def new_run_dir(root: Path, name: str | None, strategy: str, dataset: str, reuse
 
     An explicit `name` that exists is an error, unless `reuse` (resume=auto found no
     checkpoint there: the run died before its first round); a generated one gets a
-    -2, -3 ... suffix when two runs start in the same second (sweeps).
+    -2, -3 ... suffix when two runs start in the same second (sweeps). The name is checked
+    here too, not only by `validate`: this is where a '../x' would leave the root.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    if name:
+    if name is not None:
+        check_dir_name("name", name)
         path = root / name
         try:
-            path.mkdir(exist_ok=reuse)
+            path.mkdir(parents=True, exist_ok=reuse)
         except FileExistsError:
             raise ConfigError(
                 f"name={name!r}: {path} already holds a run; pick another name, or resume=auto to continue it"
             ) from None
         return path
+    root.mkdir(parents=True, exist_ok=True)
     base = f"{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{strategy}-{dataset}"
     for n in range(1, 1000):
         path = root / (base if n == 1 else f"{base}-{n}")

@@ -74,8 +74,12 @@ def sweep_dir(root: str, name: str) -> str:
 
 
 def job_subdir(override_dirname: str) -> str:
-    """A job's directory below the sweep's: its overrides (sorted by Hydra), `defaults` if none."""
-    return override_dirname or "defaults"
+    """A job's directory below the sweep's: its overrides (sorted by Hydra), `defaults` if none.
+
+    Path separators in override values (`dataset.path=/data/x.npz`) become `_`: the job's
+    directory is also its run `name`, which must be one directory name.
+    """
+    return override_dirname.replace("/", "_").replace("\\", "_") or "defaults"
 
 
 OmegaConf.register_new_resolver("fedgpu_sweep_dir", sweep_dir, replace=True)

@@ -41,11 +41,33 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 VALID_DAYS = 825  # the longest validity clients commonly accept for a server certificate
 
 
+def _refuse_symlinks(*paths: Path) -> None:
+    """Writing through a symlink would put a key or certificate wherever it points (say, a
+    file another user can read); checked for a whole set before any of it is written."""
+    for path in paths:
+        if path.is_symlink():
+            raise ValueError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): refusing to write through it; "
+                "remove the link or choose another --out"
+            )
+
+
 def _write(path: Path, data: bytes, private: bool = False) -> None:
+    """Write `path` atomically: a new file beside it, created with its final mode (0600 for
+    keys and secrets, so no other user can ever open it) and O_EXCL|O_NOFOLLOW (nothing
+    planted at that name is opened), then renamed over `path`: a link planted after the
+    check is replaced, not followed, and no reader ever sees a half-written key."""
+    _refuse_symlinks(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    if private:
-        path.chmod(0o600)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if private else 0o644)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -100,6 +122,7 @@ def make_tls(out: Path, dns: Sequence[str], ips: Sequence[str], days: int = VALI
         "cert": out / "superlink.crt",
         "key": out / "superlink.key",
     }
+    _refuse_symlinks(*paths.values())
     _write(paths["ca_cert"], ca_cert.public_bytes(serialization.Encoding.PEM))
     _write(paths["ca_key"], _pem_key(ca_key), private=True)
     _write(paths["cert"], cert.public_bytes(serialization.Encoding.PEM))
@@ -119,6 +142,7 @@ def make_node_keys(out: Path, names: Sequence[str]) -> list[tuple[Path, Path]]:
         )
         public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
         priv_path, pub_path = out / name, out / f"{name}.pub"
+        _refuse_symlinks(priv_path, pub_path)
         _write(priv_path, private, private=True)
         _write(pub_path, public + f" {name}\n".encode())
         pairs.append((priv_path, pub_path))
@@ -128,7 +152,9 @@ def make_node_keys(out: Path, names: Sequence[str]) -> list[tuple[Path, Path]]:
 def make_superexec_secret(path: Path) -> Path:
     """32 random bytes, hex-encoded (Flower reads the file as raw bytes: any content works,
     text survives copy and paste between hosts), readable by the owner only. An existing
-    secret is kept: the SuperLink and its SuperExec must keep agreeing after a re-run."""
+    secret is kept: the SuperLink and its SuperExec must keep agreeing after a re-run. A
+    symlink is refused, dangling or not: a secret must not be created or read elsewhere."""
+    _refuse_symlinks(path)
     if not path.exists():
         _write(path, secrets.token_hex(32).encode(), private=True)
     return path

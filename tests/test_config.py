@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from app.config import ClientSettings, ConfigError, PartitionConfig, load_config, to_client_record
+from app.config import ClientSettings, ConfigError, PartitionConfig, load_config, to_client_record, validate
 from app.data import check_partitioning
 from app.results import new_run_dir, output_root
 
@@ -140,3 +142,29 @@ def test_run_directories_are_never_shared(tmp_path):
     new_run_dir(tmp_path, "mine", "fedavg", "digits")
     with pytest.raises(ConfigError, match="name='mine'.*already holds a run"):
         new_run_dir(tmp_path, "mine", "fedavg", "digits")
+
+
+# {tmp}: an absolute path (the test's temporary directory, where one is made)
+UNSAFE_NAMES = ["../x", "{tmp}/elsewhere", "a/b", "a\\b", ".", "..", "", ".hidden", "x\x00y", "a\nb"]
+
+
+def test_a_run_name_that_leaves_the_output_root_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match=r"name='\.\./x' is invalid: must be a single directory name"):
+        load_config("name='../x'")
+    with pytest.raises(ConfigError, match=r"sweep\.name='\.\.' is invalid"):
+        load_config("sweep.name='..'")
+    cfg, _ = load_config("")
+    for name in UNSAFE_NAMES:
+        with pytest.raises(ConfigError, match=r"^name=.* is invalid"):
+            validate(replace(cfg, name=name.format(tmp="/tmp")))
+    for name in ("run-1", "fedavg_dirichlet.0.3", "privacy=central,seed=0"):  # the last: a sweep job's
+        assert validate(replace(cfg, name=name)).name == name
+
+
+@pytest.mark.parametrize("name", UNSAFE_NAMES)
+def test_the_run_directory_is_made_only_inside_the_output_root(tmp_path, name):
+    """Defence in depth: new_run_dir checks the name itself, whoever calls it."""
+    root = tmp_path / "root"
+    with pytest.raises(ConfigError, match="is invalid"):
+        new_run_dir(root, name.format(tmp=tmp_path), "fedavg", "digits")
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+import stat
+from pathlib import Path
 
 import pytest
 from conftest import load_script
@@ -83,3 +86,64 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, call, match):
     with pytest.raises(ValueError, match=match):
         call(tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "write, planted",
+    [
+        (lambda out: credentials.make_tls(out, ["localhost"], []), "ca.key"),
+        (lambda out: credentials.make_node_keys(out, ["lab-a"]), "lab-a"),
+        (lambda out: credentials.make_superexec_secret(out / "superexec.secret"), "superexec.secret"),
+    ],
+    ids=["tls", "node-keys", "superexec-secret"],
+)
+@pytest.mark.parametrize("target_exists", [True, False], ids=["to-a-file", "dangling"])
+def test_a_symlink_where_a_file_goes_is_refused_and_its_target_untouched(tmp_path, write, planted, target_exists):
+    """Following a planted link would write a private key wherever it points (or, dangling,
+    create a file there); nothing of the set is written."""
+    out, target = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    if target_exists:
+        target.write_text("precious")
+    (out / planted).symlink_to(target)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        write(out)
+    assert (target.read_text() == "precious") if target_exists else not target.exists()
+    assert [p.name for p in out.iterdir()] == [planted]
+
+
+def test_private_files_are_0600_from_creation(tmp_path, monkeypatch):
+    """No moment where another user can open a key: created with mode 0600 and O_EXCL|
+    O_NOFOLLOW even under umask 0, and never chmod-ed afterwards (a chmod would mean it was
+    readable in between); a re-run replaces the set the same way."""
+    created = {}
+    real_open = os.open
+
+    def spy_open(path, flags, mode=0o777, *args, **kwargs):
+        fd = real_open(path, flags, mode, *args, **kwargs)
+        created[os.path.basename(path)] = (flags, stat.S_IMODE(os.fstat(fd).st_mode))
+        return fd
+
+    def no_chmod(*args, **kwargs):
+        raise AssertionError("chmod after creation: the file was readable in between")
+
+    monkeypatch.setattr(os, "open", spy_open)
+    for name in ("chmod", "fchmod", "lchmod"):
+        monkeypatch.setattr(os, name, no_chmod, raising=False)
+    monkeypatch.setattr(Path, "chmod", no_chmod)
+    old_umask = os.umask(0)
+    try:
+        tls = credentials.make_tls(tmp_path, ["localhost"], [])
+        ((node_key, _),) = credentials.make_node_keys(tmp_path, ["lab-a"])
+        secret = credentials.make_superexec_secret(tmp_path / "superexec.secret")
+        first_key = tls["key"].read_bytes()
+        credentials.make_tls(tmp_path, ["localhost"], [])  # replaces the set
+    finally:
+        os.umask(old_umask)
+    exclusive = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    for path in (tls["key"], tls["ca_key"], node_key, secret):
+        opened = [v for k, v in created.items() if k.rsplit(".", 2)[0] == f".{path.name}"]  # .<name>.<hex>.tmp
+        assert opened and all(flags & exclusive == exclusive and mode == 0o600 for flags, mode in opened), path
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert tls["key"].read_bytes() != first_key
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left

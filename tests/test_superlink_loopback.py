@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import string
 import subprocess
 import time
@@ -296,10 +297,16 @@ class LoopbackFederation:
         )  # fmt: skip
         (home / "fleet-edge.conf").write_text(server)
         temp = " ".join(f"{kind}_temp_path {home / 'tmp' / kind};" for kind in ("client_body", "proxy"))
+        # nginx's combined format plus the upstream it contacted ("-": the SuperLink saw nothing).
+        log_format = (
+            "log_format edge '$remote_addr - $remote_user [$time_local] \"$request\" $status $body_bytes_sent "
+            "\"$http_referer\" \"$http_user_agent\" upstream=$upstream_addr';"
+        )
         (home / "nginx.conf").write_text(
             ("user root;\n" if os.geteuid() == 0 else "")  # workers must read the temp dirs under tmp_path
             + f"pid {home / 'nginx.pid'};\nerror_log {home / 'logs' / 'error.log'} info;\nevents {{}}\n"
-            + f"http {{\n access_log {home / 'logs' / 'access.log'};\n {temp}\n include {home / 'fleet-edge.conf'};\n}}\n"
+            + f"http {{\n {log_format}\n access_log {home / 'logs' / 'access.log'} edge;\n {temp}\n"
+            + f" include {home / 'fleet-edge.conf'};\n}}\n"
         )
         proc, log = self._spawn("edge", ["nginx", "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"])
         _wait_listening(proc, log, self.fleet_port, "nginx")
@@ -586,3 +593,64 @@ def test_the_fleet_edge_lets_nodes_train_and_refuses_everything_else(tmp_path: P
     assert answer["success"] is False, answer
     assert '"POST /v1/fleet/pull-messages' in access and "/v1/fleet/push-messages" in access
     assert '"POST /v1/control/' in access and '" 403 ' in access
+
+
+def _largest_node_body() -> bytes:
+    """The biggest request body a SuperNode sends: /v1/fleet/push-object with one full
+    array chunk (Flower slices arrays into FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE pieces)."""
+    from flwr.app import Array
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.proto.node_pb2 import Node
+
+    array = Array(np.ones(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE + 1, dtype=np.uint8))
+    chunk_id, chunk = array.slice_array()[0]
+    request = PushObjectRequest(node=Node(node_id=1), run_id=1, object_id=chunk_id, object_content=chunk.deflate())
+    body = request.SerializeToString(deterministic=True)
+    assert len(body) > FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    return body
+
+
+@pytest.mark.slow
+def test_the_fleet_edge_refuses_oversized_bodies_before_the_superlink_sees_them(tmp_path: Path) -> None:
+    """The edge's client_max_body_size: a stranger's body over the cap gets 413 from nginx,
+    with Content-Length and chunked alike, and never reaches the SuperLink (which would read
+    it all before checking the node's signature); a full array chunk, the largest body a
+    SuperNode sends, passes with room to spare and is refused by the SuperLink's node
+    authentication instead. (That nodes train through the edge: the test above.)"""
+    if shutil.which("nginx") is None:
+        pytest.skip("nginx is not installed (apt-get install nginx; .ci/run does)")
+    template = (ROOT / "docker" / "server" / "fleet-edge.conf.template").read_text()
+    size, unit = re.search(r"^\s*client_max_body_size (\d+)([kKmM]?);", template, re.M).groups()
+    cap = int(size) << {"": 0, "k": 10, "m": 20}[unit.lower()]  # 0: no limit at all
+    legit = _largest_node_body()
+    assert 2 * len(legit) < cap, f"the cap ({cap} bytes) must leave headroom over a {len(legit)}-byte chunk"
+
+    def stream(total: int, piece: int = 1 << 20) -> Iterator[bytes]:  # no Content-Length: chunked encoding
+        for start in range(0, total, piece):
+            yield b"x" * min(piece, total - start)
+
+    fed = LoopbackFederation(tmp_path / "loopback", num_nodes=0, secure=True, edge=True)
+    try:
+        fed.start_superlink()
+        fed.start_edge()
+        url = f"https://127.0.0.1:{fed.fleet_port}/v1/fleet/push-object"
+        headers = {"content-type": "application/protobuf"}
+        with httpx.Client(verify=ssl.create_default_context(cafile=fed.creds / "ca.crt"), timeout=60) as client:
+            sized = client.post(f"{url}?probe=sized", content=b"x" * (cap + 1), headers=headers).status_code
+            chunked = client.post(f"{url}?probe=chunked", content=stream(cap + 1), headers=headers).status_code
+            node = client.post(f"{url}?probe=chunk", content=legit, headers=headers).status_code
+
+        def upstreams() -> dict[str, str]:  # nginx logs a request just after answering it
+            log = (fed.root / "edge" / "logs" / "access.log").read_text()
+            found = dict(re.findall(r"probe=(\w+) .* upstream=(\S+)", log))
+            return found if len(found) == 3 else {}
+
+        upstream = _wait_until(upstreams, START_TIMEOUT_S, "the three probes in the edge's access log")
+    finally:
+        fed.close()
+
+    assert (sized, chunked) == (413, 413), (sized, chunked)
+    assert node == 401, f"a full chunk must pass the edge and meet node authentication, got {node}"
+    assert upstream["sized"] == upstream["chunked"] == "-", upstream  # nginx never opened the SuperLink
+    assert upstream["chunk"] == fed.address, upstream

@@ -46,6 +46,7 @@ def test_sweep_dir_must_be_absolute_and_outside_the_app(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="inside the app directory"):
         sweep_dir(str(APP_DIR / "outputs"), "s")
     assert job_subdir("") == "defaults" and job_subdir("seed=0,strategy=krum") == "seed=0,strategy=krum"
+    assert job_subdir("dataset.path=/data/x.npz,seed=0") == "dataset.path=_data_x.npz,seed=0"
 
 
 def test_cli_refuses_a_sweep_root_inside_the_app_dir_before_running_anything(tmp_path: Path) -> None:
