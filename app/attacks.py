@@ -8,6 +8,8 @@ nodes are untouched.
 - scale:      send global + s·Δ (model replacement)
 - gaussian:   send global + N(0, s²) on every floating-point weight (no training)
 - label_flip: train honestly on labels y → C − 1 − y
+- inflate_weight: send global − s·Δ and claim `attack.claimed_examples` examples (a
+  reversed update that only an uncapped sample weight makes decisive)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from app.config import AttackConfig
 
-MODEL_POISONING = ("sign_flip", "scale", "gaussian")
+MODEL_POISONING = ("sign_flip", "scale", "gaussian", "inflate_weight")
 
 
 def malicious_partitions(seed: int, num_partitions: int, num_malicious: int) -> list[int]:
@@ -39,6 +41,11 @@ def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
     return num_classes - 1 - y
 
 
+def reported_examples(cfg: AttackConfig, num_examples: int) -> float:
+    """The num-examples a malicious node reports: its real count, except under inflate_weight."""
+    return cfg.claimed_examples if cfg.name == "inflate_weight" else num_examples
+
+
 def poison(
     trained: dict[str, torch.Tensor], global_model: dict[str, torch.Tensor], cfg: AttackConfig, seed: int
 ) -> dict[str, torch.Tensor]:
@@ -49,7 +56,7 @@ def poison(
         g = global_model[key].to(t.device)
         if not t.is_floating_point():
             out[key] = t
-        elif cfg.name == "sign_flip":
+        elif cfg.name in ("sign_flip", "inflate_weight"):
             out[key] = g - cfg.scale * (t - g)
         elif cfg.name == "scale":
             out[key] = g + cfg.scale * (t - g)

@@ -18,7 +18,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from app.attacks import MODEL_POISONING, flip_labels, is_malicious, poison
+from app.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
 from app.config import ClientSettings
 from app.data import (
     DataSpec,
@@ -129,7 +129,6 @@ def train_handler(msg: Message, context: Context) -> Message:
         if settings.privacy.name == "local":
             from app.local_dp import history_key, train_private
 
-            key = history_key(partition, context.node_id)
             stats, dp_metrics = train_private(
                 job.model,
                 train_data,
@@ -138,22 +137,22 @@ def train_handler(msg: Message, context: Context) -> Message:
                 job.precision,
                 context.state,
                 job.record,
-                key=key,
+                keys=(history_key(partition, context.node_id), history_key(None, context.node_id)),
             )
         else:
             stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed), {}
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int | list[float] | list[int]] = {
-        "num-examples": stats.num_examples,
-        "train-loss": stats.loss,
-        "train-accuracy": stats.accuracy,
-        "samples-per-s": stats.samples_per_s,
+        "num-examples": reported_examples(attack, stats.num_examples) if malicious else stats.num_examples,
         "wall-time-s": stats.wall_time_s,
         "steps": stats.steps,
         "straggler-delay-s": delay,
         **telemetry.metrics(),
         **dp_metrics,
     }
+    if settings.privacy.name != "local" or settings.privacy.report_exact:
+        # Local DP: exact statistics of the private batches, which no epsilon covers (README).
+        metrics |= {"train-loss": stats.loss, "train-accuracy": stats.accuracy, "samples-per-s": stats.samples_per_s}
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
     if partition is not None:
@@ -170,4 +169,6 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     loss, accuracy = evaluate(job.model, job.val_data, job.precision)
     metrics = {"num-examples": len(job.val_data), "eval-loss": loss, "eval-accuracy": accuracy}
+    if (partition := partition_of(context)) is not None:
+        metrics["partition-id"] = partition  # the server caps num-examples at its partition's validation size
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

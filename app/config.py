@@ -29,7 +29,7 @@ BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
 STRAGGLERS = ("none", "fixed", "lognormal")
 PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = ("skip", "fallback")
-ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip")
+ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist")
 PARTITIONS = ("iid", "dirichlet")
@@ -37,6 +37,9 @@ MODELS = ("cnn", "resnet18")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("auto", "fp16", "bf16", "off")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# One directory name that stays under its root: not empty, no '/', '\\' or control character
+# (NUL included), not '.', '..' or hidden. '=' and ',' stay: a sweep job is named after its overrides.
+_DIR_NAME_RE = re.compile(r"[^./\\\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]*")
 
 
 class ConfigError(ValueError):
@@ -110,6 +113,7 @@ class AttackConfig:
     name: str = "none"
     num_malicious: int = 0
     scale: float = 1.0
+    claimed_examples: float = 1e9  # inflate_weight: the num-examples a malicious node reports
 
 
 @dataclass(unsafe_hash=True)
@@ -120,6 +124,9 @@ class PrivacyConfig:
     delta: float = 1e-5
     max_epsilon: float = 0.0  # central: stop before a release would exceed it; 0 = no budget
     poisson_sampling: bool = False  # central: sample each node with probability federation.fraction_train
+    # true: metrics.jsonl (and TensorBoard, MLflow) also get the exact values outside every epsilon
+    # (cohorts, clipped fraction, clients' train/eval metrics); false leaves them out (README, privacy)
+    report_exact: bool = False
     # central_adaptive (Andrew et al. 2021): the clip follows a quantile of update norms
     target_quantile: float = 0.5
     clip_lr: float = 0.2  # geometric step of the clip norm per release
@@ -149,6 +156,7 @@ class FederationConfig:
     node_wait_timeout_s: float = 600.0
     max_wall_time_s: float = 0.0  # stop after this many seconds of training; 0 = no limit
     target_accuracy: float = 0.0  # stop once central accuracy reaches this; 0 = never
+    max_examples_per_node: int = 100_000  # cap on a reply's claimed num-examples (its FedAvg weight)
 
 
 @dataclass(unsafe_hash=True)
@@ -259,6 +267,18 @@ def _one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     _require(value in options, key, value, "allowed: " + ", ".join(options))
 
 
+def check_dir_name(key: str, value: str) -> None:
+    """A name that becomes a directory under a root (`name`, `sweep.name`) must be one safe
+    path component: '../x' or '/abs' would write outside the root."""
+    _require(
+        _DIR_NAME_RE.fullmatch(value) is not None,
+        key,
+        value,
+        "must be a single directory name under its root: not empty, no '/', '\\' or control "
+        "characters, not starting with '.'",
+    )
+
+
 def validate(cfg: Config) -> Config:
     """Reject values that cannot work, before any training starts."""
     s = cfg.strategy
@@ -302,6 +322,12 @@ def validate(cfg: Config) -> Config:
     _one_of("attack.name", a.name, ATTACKS)
     _require(a.num_malicious >= 0, "attack.num_malicious", a.num_malicious, "must be >= 0")
     _require(a.scale > 0, "attack.scale", a.scale, "must be > 0")
+    _require(
+        0 < a.claimed_examples < float("inf"),
+        "attack.claimed_examples",
+        a.claimed_examples,
+        "must be a finite number > 0 (the server rejects any other count outright)",
+    )
 
     d = cfg.dataset
     _one_of("dataset.name", d.name, DATASETS)
@@ -363,16 +389,24 @@ def validate(cfg: Config) -> Config:
     _require(
         0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
     )
+    _require(
+        f.max_examples_per_node >= 1,
+        "federation.max_examples_per_node",
+        f.max_examples_per_node,
+        "must be an integer >= 1 (the most examples one node's reply may count for)",
+    )
 
     m = cfg.simulation
     _require(m.num_supernodes >= 1, "simulation.num_supernodes", m.num_supernodes, "must be >= 1")
     _require(m.client_cpus >= 1, "simulation.client_cpus", m.client_cpus, "must be >= 1 (whole CPUs)")
     _require(m.client_gpus >= 0, "simulation.client_gpus", m.client_gpus, "must be >= 0 (0 = CPU only)")
     _require(bool(cfg.tracking.mlflow_experiment), "tracking.mlflow_experiment", "", "must not be empty")
-    _require(bool(cfg.sweep.name) and "/" not in cfg.sweep.name, "sweep.name", cfg.sweep.name, "a directory name")
+    check_dir_name("sweep.name", cfg.sweep.name)
     _require(cfg.sweep.timeout_s >= 0, "sweep.timeout_s", cfg.sweep.timeout_s, "must be >= 0 (0 = no limit)")
 
     _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
+    if cfg.name is not None:
+        check_dir_name("name", cfg.name)
     if cfg.resume == "auto":
         _require(
             bool(cfg.name), "resume", cfg.resume, "auto needs a run name (name=...): it resumes <output-dir>/<name>"
@@ -430,6 +464,13 @@ def _validate_privacy(cfg: Config) -> None:
             "privacy.poisson_sampling",
             True,
             "FedBuff releases are accounted with q = 1 (its cohort is whoever answers first)",
+        )
+        st = cfg.strategy
+        _require(
+            not (s == "fedbuff" and 0 < st.concurrency < st.buffer_size),
+            "strategy.buffer_size",
+            st.buffer_size,
+            f"a central-DP buffer takes one update per node, but strategy.concurrency={st.concurrency} train at once",
         )
     if p.name == "local":
         _require(

@@ -310,9 +310,15 @@ def check_spec(data: ImageTensors, spec: DataSpec, where: str) -> None:
         raise DatasetUnavailableError(f"{where}: labels outside [0, {spec.num_classes})")
 
 
+def validation_size(n: int, fraction: float) -> int:
+    """How many of a partition's n examples `split_validation` keeps for validation
+    (the server caps a node's claimed counts with it)."""
+    return 0 if fraction <= 0 or n < 2 else max(1, math.ceil(n * fraction))
+
+
 def split_validation(data: ImageTensors, fraction: float, seed: int) -> tuple[ImageTensors, ImageTensors]:
     """Keep `fraction` of a client's partition for its local (federated) evaluation."""
-    if fraction <= 0 or len(data) < 2:
+    if validation_size(len(data), fraction) == 0:
         return data, ImageTensors(data.x[:0], data.y[:0])
     train_idx, val_idx = holdout_split(len(data), fraction, seed)
     t, v = torch.from_numpy(train_idx), torch.from_numpy(val_idx)

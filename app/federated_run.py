@@ -9,38 +9,78 @@ hands FedBuff a callback for every server update.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import random
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from app.attacks import malicious_partitions
 from app.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.config import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig, to_client_record
-from app.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
+from app.data import (
+    check_partitioning,
+    data_spec,
+    load_splits,
+    materialize,
+    partition_indices,
+    spec_to_record,
+    validation_size,
+)
 from app.models import build_model
 from app.results import RunRecorder, new_run_dir
 from app.stragglers import client_record, straggler_factors
 from app.training import evaluate, resolve_device, resolve_precision
-from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, PrivacyBudgetExhausted
+from strategies.central_dp import (
+    AdaptiveClip,
+    CentralDP,
+    DPFedAvg,
+    DPFedBuff,
+    PrivacyBudgetExhausted,
+    cohort_sensitivity,
+)
 from strategies.coordinatewise import CoordinateMedian, TrimmedMean
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff, VersionReport
 from strategies.krum import Krum, MultiKrum
+from strategies.partitions import PartitionBinding
+from strategies.replies import InvalidReply, WeightCap
 from strategies.robust import RobustStrategy
 from strategies.staleness import staleness_fn
 
+if TYPE_CHECKING:
+    from app.local_dp import HistoryLedger
+
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
-LOCAL_EPSILON_KEY = "dp-epsilon"  # cumulative sample-level epsilon a local-DP client reports
+# Row values computed from the clients' replies or from which nodes took part: no epsilon
+# covers them, so with privacy on they are recorded only with privacy.report_exact=true.
+EXACT_ROW_KEYS = (
+    "num_sampled",
+    "num_clients",
+    "num_rejected",
+    "num_missing",
+    "num_failed",
+    "num_discarded_stale",
+    "rejected",
+    "failed",
+    "node_partitions",
+    "applied",
+    "staleness",
+    "tasks_sent",
+    "robust",
+    "capped_weights",
+    "train",
+    "federated_eval",
+)
 
 
 def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> RobustStrategy:
@@ -60,11 +100,15 @@ def central_dp(cfg: Config) -> CentralDP | None:
     if not p.name.startswith("central"):
         return None
     adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise) if p.name == "central_adaptive" else None
+    fraction = cfg.federation.fraction_train
     return CentralDP(
         noise_multiplier=p.noise_multiplier,
         clip_norm=p.clip_norm,
         delta=p.delta,
-        sample_rate=cfg.federation.fraction_train if p.poisson_sampling else 1.0,
+        sample_rate=fraction if p.poisson_sampling else 1.0,
+        sensitivity=cohort_sensitivity(
+            fedbuff=cfg.strategy.name == "fedbuff", poisson=p.poisson_sampling, fraction_train=fraction
+        ),
         max_epsilon=p.max_epsilon,
         adaptive=adaptive,
     )
@@ -111,14 +155,43 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
     raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
 
 
+def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> WeightCap:
+    """The most examples a node's reply may count for (its FedAvg / FedBuff weight).
+
+    `federation.max_examples_per_node` for every node; a node bound to a simulated
+    partition is held to what that partition really has: its training part for
+    training replies, its validation part for evaluation replies. Sizes are computed
+    the way the ClientApp splits its data (`partition_indices`, `validation_size`),
+    once per partition, when a node first claims it.
+    """
+    limit = cfg.federation.max_examples_per_node
+
+    @functools.cache
+    def train_and_validation(partition: int) -> tuple[int, int]:
+        n = len(partition_indices(labels, binding.num_partitions, partition, cfg.partition, cfg.seed))
+        held_out = validation_size(n, cfg.dataset.val_fraction)
+        return n - held_out, held_out
+
+    def cap(node_id: int, metrics: MetricRecord, kind: str) -> float:
+        partition = binding.bind(node_id, metrics.get("partition-id"))
+        if partition is None:
+            return limit
+        train, validation = train_and_validation(partition)
+        return min(limit, train if kind == MessageType.TRAIN else validation)
+
+    return cap
+
+
 def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> int:
     """Before the first round: can the rounds' cohort ever satisfy the strategy and attack?"""
     f = cfg.federation
     if isinstance(strategy, FedBuff):
         cohort = min(num_nodes, strategy.concurrency or num_nodes)
-        if strategy.buffer_rule is not None and cohort < strategy.buffer_size:
+        # Both a robust buffer and a central-DP one take at most one update per node.
+        kind = "robust" if strategy.buffer_rule is not None else "central-DP" if isinstance(strategy, DPFedBuff) else ""
+        if kind and cohort < strategy.buffer_size:
             raise ConfigError(
-                f"strategy.buffer_size={strategy.buffer_size}: a robust buffer takes one update per node, but only "
+                f"strategy.buffer_size={strategy.buffer_size}: a {kind} buffer takes one update per node, but only "
                 f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={strategy.concurrency})"
             )
     else:
@@ -212,8 +285,10 @@ class FederatedRun:
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
         check_cohort(cfg, self.strategy, len(self.nodes))
-        # local DP: each node's accountant history [[σ, q, steps], ...], kept for nodes whose Context is new
-        self.local_dp_history: dict[str, list[list[float]]] = {}
+        # Simulated nodes report their partition; the first claim binds (strategies/partitions.py).
+        self.partitions = PartitionBinding(len(self.nodes))
+        self.strategy.weight_cap = example_cap(cfg, train_source.labels, self.partitions)
+        run_state: dict[str, Any] = {}
         if resume := checkpoint_to_resume(cfg, root):
             ckpt = load_checkpoint(resume)
             _check_compatible(ckpt, self.model, str(resume))
@@ -225,7 +300,9 @@ class FederatedRun:
             self.strategy.load_state_dict(ckpt.strategy_state)
             restore_rng(ckpt.rng)
             self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
-            self.local_dp_history = ckpt.run_state.get("local_dp_history", {})
+            run_state = ckpt.run_state
+            if "local_dp_history" in run_state:  # a checkpoint from before HistoryLedger: histories only
+                run_state = {"local_dp": {"histories": run_state["local_dp_history"]}}
             self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round)
             log.info("resuming %s after round %d", resume, ckpt.round)
         else:
@@ -260,7 +337,7 @@ class FederatedRun:
                 [round(x, 2) for x in self.slowdowns],
                 cfg.stragglers.dropout,
             )
-        # One live record: FedBuff copies it into every task, so updates (local-DP histories) reach later tasks.
+        # One live record: FedBuff copies it into every task (per-node additions: strategy.node_config).
         self.client_config = ConfigRecord(
             {
                 **to_client_record(cfg),
@@ -269,10 +346,17 @@ class FederatedRun:
                 "federation.rounds": cfg.federation.rounds,  # local DP plans its noise over all rounds
             }
         )
-        self._send_local_dp_history()
         self.stop_reason = "rounds"
         self.dp: CentralDP | None = getattr(self.strategy, "dp", None)
-        self.client_epsilons: dict[int, float] = {}  # local DP: each node's latest cumulative epsilon
+        # Local DP: every client's accountant history under the server's name for it (app/local_dp.py);
+        # each training message carries only the history that can be its node's own.
+        self.local_dp: HistoryLedger | None = None
+        self.dp_rejections: list[dict[str, Any]] = []  # refused histories since the last row
+        if cfg.privacy.name == "local":
+            from app.local_dp import HistoryLedger
+
+            self.local_dp = HistoryLedger(cfg.privacy.delta, run_state.get("local_dp"))
+            self.strategy.node_config = self.local_dp_prior
         if self.dp is not None and self.dp.delta >= 1 / len(self.nodes):
             log.warning(
                 "privacy.delta=%g >= 1/population = 1/%d: a mechanism that leaks one whole client with "
@@ -304,47 +388,72 @@ class FederatedRun:
             log.info("stopping after round %d: %s", rnd, self.stop_reason)
         return True
 
-    def privacy_row(self, client_metrics: list[tuple[int, MetricRecord]]) -> dict[str, Any]:
+    def reported(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row as recorded: with privacy on, without EXACT_ROW_KEYS unless privacy.report_exact
+        (the log keeps them: it is the operator's, who sees every reply anyway)."""
+        p = self.cfg.privacy
+        if p.name == "none" or p.report_exact:
+            return row
+        return {k: v for k, v in row.items() if k not in EXACT_ROW_KEYS}
+
+    def privacy_row(self) -> dict[str, Any]:
         """This round's privacy numbers: central epsilon and clip, or local DP epsilons per client."""
         if self.dp is not None:
-            return {
-                "epsilon": self.dp.epsilon(),
-                "clip_norm": self.dp.clip_norm,
-                "clipped_fraction": self.dp.last_clipped_fraction,
-                "releases": self.dp.releases,
-            }
-        if self.cfg.privacy.name != "local":
+            dp = self.dp
+            row: dict[str, Any] = {"epsilon": dp.epsilon(), "clip_norm": dp.clip_norm, "releases": dp.releases}
+            if dp.adaptive is not None:  # b̃ was released (noised, accounted): covered by epsilon
+                row["noised_unclipped_fraction"] = dp.last_noised_unclipped_fraction
+            if self.cfg.privacy.report_exact:
+                row["clipped_fraction"] = dp.last_clipped_fraction
+            return row
+        if self.local_dp is None:
             return {}
-        from app.local_dp import history_from_metrics, history_key
+        # Over every client on record (this run's and, after a resume, earlier ones), by the server's accountant.
+        eps = list(self.local_dp.epsilons().values())
+        row = {"client_epsilon_max": max(eps), "client_epsilon_mean": sum(eps) / len(eps)} if eps else {}
+        if self.dp_rejections:
+            row["dp_history_rejected"], self.dp_rejections = self.dp_rejections, []
+        return row
+
+    def local_dp_prior(self, node_id: int) -> dict[str, str]:
+        """Local DP: what a training message to `node_id` adds to its config (strategy.node_config)."""
+        assert self.local_dp is not None
+        partition, connected = self.partitions.partition_of(node_id), set(self.grid.get_node_ids())
+        return self.local_dp.prior(node_id, partition, self.partitions.unbound(), connected)
+
+    def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
+        """Local DP: keep every reply's accountant history, whatever becomes of its update (the steps
+        were taken either way), under the node's bound partition or its node id, never the reply's
+        claim alone. A malformed or shrinking history is logged and listed in the next row
+        (`dp_history_rejected`); the one on record stays."""
+        if self.local_dp is None:
+            return
+        from app.local_dp import MalformedHistory, history_key
 
         for node, metrics in client_metrics:
-            if isinstance(metrics.get(LOCAL_EPSILON_KEY), float):
-                self.client_epsilons[node] = float(metrics[LOCAL_EPSILON_KEY])
-            if history := history_from_metrics(metrics):
-                partition = metrics.get("partition-id")
-                key = history_key(partition if isinstance(partition, int) else None, node)
-                self.local_dp_history[key] = [list(entry) for entry in history]
-        self._send_local_dp_history()
-        eps = list(self.client_epsilons.values())
-        return {"client_epsilon_max": max(eps), "client_epsilon_mean": sum(eps) / len(eps)} if eps else {}
-
-    def _send_local_dp_history(self) -> None:
-        """Local DP: the next messages carry every node's recorded history (app/local_dp.py)."""
-        if self.cfg.privacy.name == "local" and self.local_dp_history:
-            from app.local_dp import PRIOR_KEY
-
-            self.client_config[PRIOR_KEY] = json.dumps(self.local_dp_history)
+            try:
+                partition = self.partitions.bind(node, metrics.get("partition-id"))
+            except InvalidReply:  # a contested claim: the screening rejects the reply; the history is the node's
+                partition = self.partitions.partition_of(node)
+            key = history_key(partition, node)
+            try:
+                self.local_dp.record(key, node, metrics)
+            except MalformedHistory as err:
+                log.warning("node %s: local-DP accountant history for %s refused: %s", node, key, err)
+                self.dp_rejections.append({"node_id": node, "key": key, "reason": str(err)})
 
     def privacy_summary(self) -> dict[str, Any]:
         p = self.cfg.privacy
         if self.dp is not None:
             return self.dp.summary()
-        if p.name == "local":
-            eps = list(self.client_epsilons.values())
+        if self.local_dp is not None:
+            per_client = self.local_dp.epsilons()  # bound partition or node id -> epsilon
+            eps = list(per_client.values())
             return {
                 "mechanism": "local DP-SGD (Opacus), sample-level per client",
                 "client_epsilon_max": max(eps) if eps else None,
                 "client_epsilon_mean": sum(eps) / len(eps) if eps else None,
+                "client_epsilon": per_client,
                 "delta": p.delta,
                 "noise_multiplier": p.noise_multiplier,
                 "target_epsilon": p.target_epsilon or None,
@@ -352,8 +461,23 @@ class FederatedRun:
             }
         return {"mechanism": "none"}
 
-    def finish_round(self, rnd: int, row: dict[str, Any], client_metrics: list[tuple[int, MetricRecord]]) -> None:
-        row.update(self.privacy_row(client_metrics))
+    def save_state(self, rnd: int, wall_time_s: float) -> None:
+        """Checkpoint the model after `rnd` with the privacy spent so far: central DP's accountant is
+        in the strategy's state, local DP's histories in the run's."""
+        save_checkpoint(
+            self.recorder.checkpoint_path,
+            Checkpoint(
+                self.arrays.to_torch_state_dict(),
+                rnd,
+                self.strategy.state_dict(),
+                capture_rng(),
+                wall_time_s,
+                run_state={"local_dp": self.local_dp.state()} if self.local_dp is not None else {},
+            ),
+        )
+
+    def finish_round(self, rnd: int, row: dict[str, Any]) -> None:
+        row.update(self.privacy_row())
         if "epsilon" in row or "client_epsilon_max" in row:
             log.info(
                 "[%s %d] privacy: %s",
@@ -364,17 +488,7 @@ class FederatedRun:
                 else f"client epsilon max {row['client_epsilon_max']:.3f}, mean {row['client_epsilon_mean']:.3f}",
             )
         # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
-        save_checkpoint(
-            self.recorder.checkpoint_path,
-            Checkpoint(
-                self.arrays.to_torch_state_dict(),
-                rnd,
-                self.strategy.state_dict(),
-                capture_rng(),
-                row["wall_time_s"],
-                run_state={"local_dp_history": self.local_dp_history},
-            ),
-        )
+        self.save_state(rnd, row["wall_time_s"])
         self.recorder.log_round(row)
 
     # --- synchronous rounds ------------------------------------------------------
@@ -390,6 +504,12 @@ class FederatedRun:
             )
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             client_metrics = reply_metrics(replies)
+            self.record_spending(client_metrics)
+            if cfg.privacy.name != "none":
+                # On record before anyone sees this round's release (federated evaluation sends it out)
+                # and before anything else can crash: the previous model with this round's spending, so a
+                # crash before the round's own checkpoint re-runs the round, charged twice, never zero times.
+                self.save_state(rnd - 1, self.elapsed())
             report = strategy.train_report
             if new_arrays is not None:
                 self.arrays = new_arrays
@@ -410,12 +530,13 @@ class FederatedRun:
                 "num_missing": report.sampled - len(replies),
                 "model_updated": new_arrays is not None,
                 "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
+                "capped_weights": report.capped,
                 "robust": report.robust_row() if isinstance(strategy, RobustStrategy) else None,
                 "node_partitions": node_partitions(client_metrics),
                 "train": dict(train_metrics) if train_metrics else {},
                 "federated_eval": dict(fed_eval) if fed_eval else {},
             }
-            self.finish_round(rnd, row, client_metrics)
+            self.finish_round(rnd, self.reported(row))
             log.info(
                 "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
                 rnd,
@@ -439,6 +560,7 @@ class FederatedRun:
 
         def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
             nonlocal last
+            self.record_spending(report.client_metrics)
             self.arrays = arrays
             v = report.version
             evaluate_now = (
@@ -468,7 +590,7 @@ class FederatedRun:
                 "train": dict(report.metrics) if report.metrics else {},
             }
             last = now
-            self.finish_round(v, row, report.client_metrics)
+            self.finish_round(v, self.reported(row))
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
@@ -490,9 +612,29 @@ class FederatedRun:
             on_version,
             first_version=self.first_round - 1,
             deadline=deadline,
+            drain=self.local_dp is not None,
         )
+        if self.local_dp is not None and strategy.report.client_metrics:
+            # Replies after the last version (and the tasks still out at the stop, drained) spent their
+            # steps too: on record and checkpointed.
+            self.record_spending(strategy.report.client_metrics)
+            self.save_state(strategy.version, self.elapsed())
         if deadline is not None and time.monotonic() >= deadline:
             self.stop_reason = f"wall-clock budget {budget:.0f} s spent"
+
+    def final_evaluation(self) -> dict[str, Any]:
+        """The final model's accuracy when the last row did not evaluate it.
+
+        A FedBuff run can stop between evaluations (`strategy.eval_every` > 1) or before
+        its first version (a wall-clock budget spent on the first tasks); it still reports
+        the model it ends with, the initial one if nothing was applied.
+        """
+        rows = self.recorder.rows
+        if rows and rows[-1].get("accuracy") is not None:
+            return {}
+        loss, acc = self.central_eval(self.arrays)
+        log.info("final model, not evaluated by the last recorded step: accuracy %.4f, loss %.4f", acc, loss)
+        return {"final_accuracy": acc, "final_loss": loss}
 
     def run(self) -> dict[str, Any]:
         status = "failed"
@@ -527,6 +669,8 @@ class FederatedRun:
                     "tasks_sent": self.strategy.tasks_sent,
                     "discarded_stale": self.strategy.discarded_total,
                 }
+            if status == "completed":
+                extra.update(self.final_evaluation())
             summary = self.recorder.finish(status, self.elapsed(), extra)
             log.info("run %s: final accuracy %s, results: %s", status, summary["final_accuracy"], self.recorder.run_dir)
         return summary

@@ -27,7 +27,8 @@ ROW_SCALARS = (
     "num_discarded_stale",
     "epsilon",
     "clip_norm",
-    "clipped_fraction",
+    "clipped_fraction",  # exact: in rows only with privacy.report_exact=true
+    "noised_unclipped_fraction",  # adaptive clipping's released (DP) estimate
     "client_epsilon_max",
     "client_epsilon_mean",
 )

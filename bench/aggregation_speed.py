@@ -181,7 +181,10 @@ def build_replies(n: int, seed: int = 0) -> tuple[ArrayRecord, list[Message], di
     honest_scales = 1e-3 * (1.0 + np.arange(n - NUM_BYZANTINE) / max(n - NUM_BYZANTINE - 1, 1))
     scales = np.concatenate([honest_scales, np.full(NUM_BYZANTINE, 1e-2)])
     scales = scales[rng.permutation(n)]
-    weights = rng.integers(100, 1000, size=n)
+    # Equal counts: our Multi-Krum averages with equal weights (counts are claims), Flower's
+    # weighs by them, so only equal counts make the two comparable. FedAvg's weighting is
+    # checked against Flower's with unequal counts in tests/test_aggregation.py.
+    weights = np.full(n, 500)
     replies = []
     for i in range(n):
         arrays = {}

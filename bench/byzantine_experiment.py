@@ -7,10 +7,13 @@ clean FedAvg; averaged over seeds, since one seed's last round can be an outlier
 in-process grid (`app/local_grid.py`): the same code as under `flwr run`, without
 the SuperLink's start-up cost per run.
 
-    python bench/byzantine_experiment.py                  # 75 runs, about 25 min on 2 cores
+    python bench/byzantine_experiment.py                  # 90 runs, about 20 min on 2 cores
     python bench/byzantine_experiment.py --rounds 10 --attacks none sign_flip
+    python bench/byzantine_experiment.py --merge --strategies multikrum   # re-run one column
 
 Writes a Markdown table to stdout, and `--json` / `--plot` files (defaults under docs/).
+`--merge` re-runs only the chosen cells and keeps the other cells of an existing
+`--json` file (same rounds, nodes and seeds), so a change to one rule costs its cells only.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from pathlib import Path
 STRATEGIES = {
     "fedavg": "strategy=fedavg",
     "krum": "strategy=krum strategy.num_byzantine=2",
-    "multikrum": "strategy=multikrum strategy.num_byzantine=2 strategy.num_selected=4",
+    "multikrum": "strategy=multikrum strategy.num_byzantine=2 strategy.num_selected=6",
     "median": "strategy=median strategy.num_byzantine=2",
     "trimmed_mean": "strategy=trimmed_mean strategy.num_byzantine=2 strategy.trim_ratio=0.2",
 }
-ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip")
+ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 
 
 def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
@@ -78,14 +81,14 @@ def final_accuracies(runs: list[dict]) -> list[float]:
 
 
 def markdown_table(results: list[dict], attacks: list[str], strategies: list[str]) -> str:
-    """Mean final accuracy over seeds, with the lowest seed in brackets."""
+    """Mean final accuracy over seeds, with the lowest seed in brackets ("–": not run)."""
     cells = by_cell(results)
     lines = ["| attack | " + " | ".join(strategies) + " |", "|---|" + "---:|" * len(strategies)]
     for attack in attacks:
         row = []
         for s in strategies:
-            accs = final_accuracies(cells[(s, attack)])
-            row.append(f"{sum(accs) / len(accs):.1f} ({min(accs):.1f})")
+            accs = final_accuracies(cells.get((s, attack), []))
+            row.append(f"{sum(accs) / len(accs):.1f} ({min(accs):.1f})" if accs else "–")
         lines.append(f"| {attack} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -102,7 +105,7 @@ def plot(results: list[dict], attacks: list[str], strategies: list[str], path: P
     width = 0.8 / len(strategies)
     x = np.arange(len(attacks))
     for i, s in enumerate(strategies):
-        accs = [final_accuracies(cells[(s, a)]) for a in attacks]
+        accs = [final_accuracies(cells.get((s, a), [])) or [np.nan] for a in attacks]
         means = np.array([np.mean(a) for a in accs])
         spread = np.array([[m - min(a), max(a) - m] for m, a in zip(means, accs, strict=True)]).T
         bars.bar(x + i * width, means, width, yerr=spread, capsize=2, label=s)
@@ -134,7 +137,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, default=Path("docs/byzantine-results.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/byzantine.png"))
+    parser.add_argument("--merge", action="store_true", help="keep the --json file's other cells")
     args = parser.parse_args()
+    if args.merge:
+        old = json.loads(args.json.read_text())
+        if (old["rounds"], old["nodes"], old["seeds"]) != (args.rounds, args.nodes, args.seeds):
+            parser.error(f"--merge: {args.json} has rounds/nodes/seeds {old['rounds']}/{old['nodes']}/{old['seeds']}")
     with tempfile.TemporaryDirectory() as out_root:
         jobs = [
             (s, a, args.rounds, args.nodes, seed, out_root)
@@ -155,13 +163,19 @@ def main() -> None:
     print(
         f"\n{len(results)} runs, {args.nodes} nodes, {args.rounds} rounds, seeds {args.seeds}, {time.time() - started:.0f} s"
     )
+    if args.merge:  # read now, not at the start: another merge may have written meanwhile
+        old = json.loads(args.json.read_text())["results"]
+        results += [r for r in old if not (r["strategy"] in args.strategies and r["attack"] in args.attacks)]
+    cells = by_cell(results)
+    attacks = [a for a in ATTACKS if any(k[1] == a for k in cells)]
+    strategies = [s for s in STRATEGIES if any(k[0] == s for k in cells)]
     print("final test accuracy (%): mean over seeds (lowest seed)\n")
-    print(markdown_table(results, args.attacks, args.strategies))
+    print(markdown_table(results, attacks, strategies))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps({"rounds": args.rounds, "nodes": args.nodes, "seeds": args.seeds, "results": results}, indent=1)
     )
-    plot(results, args.attacks, args.strategies, args.plot)
+    plot(results, attacks, strategies, args.plot)
     print(f"\nwrote {args.json} and {args.plot}")
 
 

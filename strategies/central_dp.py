@@ -4,8 +4,19 @@ The Gaussian mechanism of DP-FedAvg (McMahan et al. 2018, "Learning Differential
 Private Recurrent Language Models", https://arxiv.org/abs/1710.06963): every client
 update Δᵢ (model − the model it trained from) is clipped to L2 norm ≤ C, the clipped
 updates are summed with equal weight, N(0, (z·C)²) noise is added to every coordinate
-of the sum, and the sum is divided by the expected cohort size m. One client changes
-the sum by at most C, whatever it sends, so the release is (z, q)-Gaussian.
+of the sum, and the sum is divided by the expected cohort size m (public: it comes from
+the configuration and the population, never from who answered).
+
+Neighbouring relation and sensitivity. The accountant (Opacus's RDP accountant, the
+add-or-remove-one-client relation) charges one Gaussian step of multiplier z/s per
+release, s being the sensitivity of the sum in units of C:
+- s = 1 when the cohort is every connected node (`fraction_train` = 1) or a Poisson
+  sample (`poisson_sampling`): adding or removing one client adds or removes one
+  clipped update, whatever it sends;
+- s = 2 when the cohort is a fixed-size subset of a larger population (FedAvg's sample
+  with `fraction_train` < 1, and every FedBuff buffer, which takes the first K distinct
+  nodes to answer): one more client can take the place of another, so the sum moves by
+  up to 2C. Such runs are accounted with z/2 rather than refused.
 
 Sample counts are not used as weights: a client's weight would scale its influence
 on the sum, and it is a number the client itself reports, so the sensitivity bound C
@@ -13,24 +24,27 @@ would no longer hold (a client claiming a huge count could dominate the release)
 
 Adaptive clipping (Andrew et al. 2021, "Differentially Private Learning with Adaptive
 Clipping", https://arxiv.org/abs/1905.03871): after each release the clip norm moves
-geometrically toward the `target_quantile` of the update norms, estimated from a noised
-count of unclipped updates (noise std σ_b). That count is released too, so the
-accountant charges the combined noise multiplier (z⁻² + (2σ_b)⁻²)^(−1/2).
+geometrically toward the `target_quantile` of the update norms. The estimate is the
+*centred* count Σ(bᵢ − ½), bᵢ = 1 when update i was not clipped, plus N(0, σ_b²), then
+b̃ = that / m + ½, as in the paper and TF Privacy's QuantileEstimatorQuery. One client
+moves the centred count by exactly ½, so the two Gaussians together are one Gaussian
+step of multiplier (z⁻² + (2σ_b)⁻²)^(−1/2) (the paper's Theorem 1), divided by s.
 
-Accounting: Opacus's RDP accountant, one step per release with the sampling rate that
-was really used: q = fraction when nodes are Poisson-sampled with that probability
-(`poisson_sampling`), q = 1 otherwise (a fixed-size cohort chosen by the server claims
-no amplification). FedBuff's buffer flushes are releases with q = 1.
+Sampling rate: q = fraction when nodes are Poisson-sampled with that probability (each
+node independently, from `secrets.SystemRandom`: amplification by subsampling needs a
+cohort nobody can predict, so never the run's seeded `random`), q = 1 otherwise (a
+cohort chosen by the server claims no amplification). FedBuff's flushes are releases
+with q = 1.
 
 The noise generator is seeded from the operating system's CSPRNG, never from the run's
-seed: noise an attacker can reproduce protects nothing.
+seed: noise an attacker can reproduce protects nothing. A release whose result is not
+finite is never made (`NonFiniteRelease`), nor charged.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +53,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from opacus.accountants import RDPAccountant
 
 from strategies.fedavg import FedAvg
@@ -46,7 +61,7 @@ from strategies.fedbuff import FedBuff
 from strategies.opacus_logging import remove_opacus_root_handler
 from strategies.replies import Screened
 from strategies.robust_ops import apply_update, float_keys
-from strategies.tensor_ops import TensorDict
+from strategies.tensor_ops import TensorDict, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
@@ -54,6 +69,10 @@ remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
 
 class PrivacyBudgetExhausted(RuntimeError):
     """The next release would take ε past the budget; it was not made."""
+
+
+class NonFiniteRelease(RuntimeError):
+    """A release (or the model it makes) would hold NaN or Inf; it was not made."""
 
 
 def update_norm(update: TensorDict) -> float:
@@ -69,11 +88,37 @@ def clip_update(update: TensorDict, clip: float) -> tuple[TensorDict, float]:
     return {k: t.float() * scale if t.is_floating_point() else t for k, t in update.items()}, norm
 
 
-def combined_noise_multiplier(noise_multiplier: float, count_noise_std: float | None) -> float:
-    """The noise multiplier the accountant charges per release (Andrew et al. 2021, Thm 1)."""
+def require_finite(tensors: TensorDict, what: str) -> TensorDict:
+    """`tensors` unchanged, or NonFiniteRelease naming the keys with NaN or Inf."""
+    if bad := [k for k, t in tensors.items() if t.is_floating_point() and not is_finite(t)]:
+        raise NonFiniteRelease(f"{what} has NaN or Inf in {bad}: not released")
+    return tensors
+
+
+def combined_noise_multiplier(
+    noise_multiplier: float, count_noise_std: float | None, sensitivity: float = 1.0
+) -> float:
+    """The Gaussian noise multiplier the accountant charges per release.
+
+    Rényi DP of order α of a Gaussian with sensitivity Δ and std σ is αΔ²/(2σ²); the
+    update sum (Δ = sC, σ = zC) and the centred count (Δ = s/2, σ = σ_b) add up to
+    α/(2z̃²) with z̃ = (z⁻² + (2σ_b)⁻²)^(−1/2) / s (Andrew et al. 2021, Thm 1, for s = 1).
+    """
     if not count_noise_std:
-        return noise_multiplier
-    return (noise_multiplier**-2 + (2 * count_noise_std) ** -2) ** -0.5
+        return noise_multiplier / sensitivity
+    return (noise_multiplier**-2 + (2 * count_noise_std) ** -2) ** -0.5 / sensitivity
+
+
+def cohort_sensitivity(*, fedbuff: bool, poisson: bool, fraction_train: float) -> float:
+    """Sensitivity of the update sum in units of C (module docstring): 2 when the cohort
+    is a fixed-size subset of a larger population, so that one more client can push
+    another out; 1 when it is everyone or a Poisson sample."""
+    return 2.0 if fedbuff or (not poisson and fraction_train < 1) else 1.0
+
+
+def centred_count(norms: Sequence[float], clip: float) -> float:
+    """Σ(bᵢ − ½), bᵢ = 1 if ‖Δᵢ‖ ≤ clip: adding or removing one update moves it by exactly ½."""
+    return sum((n <= clip) - 0.5 for n in norms)
 
 
 @dataclass
@@ -98,6 +143,7 @@ class CentralDP:
         clip_norm: float,
         delta: float,
         sample_rate: float = 1.0,
+        sensitivity: float = 1.0,
         max_epsilon: float = 0.0,
         adaptive: AdaptiveClip | None = None,
         generator: torch.Generator | None = None,
@@ -107,16 +153,20 @@ class CentralDP:
                 f"need noise_multiplier > 0, clip_norm > 0, 0 < delta < 1 and 0 < sample_rate <= 1 "
                 f"(got {noise_multiplier}, {clip_norm}, {delta}, {sample_rate})"
             )
+        if sensitivity not in (1.0, 2.0):
+            raise ValueError(f"sensitivity={sensitivity}: 1 (add or remove one client) or 2 (one replaces another)")
         self.noise_multiplier = noise_multiplier
         self.clip_norm = clip_norm
         self.delta = delta
         self.sample_rate = sample_rate
+        self.sensitivity = sensitivity
         self.max_epsilon = max_epsilon
         self.adaptive = adaptive
         self.generator = generator or torch.Generator().manual_seed(secrets.randbits(63))
         self.accountant = RDPAccountant()
         self.releases = 0
-        self.last_clipped_fraction: float | None = None
+        self.last_clipped_fraction: float | None = None  # exact: not covered by epsilon
+        self.last_noised_unclipped_fraction: float | None = None  # b̃, a DP release (adaptive clipping)
 
     @property
     def mechanism(self) -> str:
@@ -124,7 +174,7 @@ class CentralDP:
 
     def charged_noise_multiplier(self, expected_cohort: float) -> float:
         return combined_noise_multiplier(
-            self.noise_multiplier, self._count_std(expected_cohort) if self.adaptive else None
+            self.noise_multiplier, self._count_std(expected_cohort) if self.adaptive else None, self.sensitivity
         )
 
     def _count_std(self, expected_cohort: float) -> float:
@@ -164,19 +214,22 @@ class CentralDP:
         `scales` sᵢ ≤ 1 (FedBuff's staleness weights) can only lower a client's
         influence, so the sensitivity stays C. `like` gives keys, shapes and device (the
         current global model). Integer tensors (BatchNorm counters) are not released:
-        they come back as zeros (no change).
+        they come back as zeros (no change). A non-finite `like` or result raises
+        NonFiniteRelease before the accountant is charged.
         """
+        if not expected_cohort > 0:
+            raise ValueError(f"expected_cohort={expected_cohort}: the release divides by it, so it must be > 0")
         if scales is not None and not all(0 <= x <= 1 for x in scales):
             raise ValueError(f"need one scale in [0, 1] per update, got {scales}")
+        require_finite(like, "the global model the release would update")
         self.check_budget(expected_cohort)
         clip = self.clip_norm
         total = {k: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for k, t in like.items()}
-        unclipped = count = 0
+        norms: list[float] = []
         pairs = zip(updates, scales, strict=True) if scales is not None else ((u, 1.0) for u in updates)
         for update, scale in pairs:
-            count += 1
             clipped, norm = clip_update(update, clip)
-            unclipped += norm <= clip
+            norms.append(norm)
             for k, t in clipped.items():
                 if t.is_floating_point():
                     total[k].add_(t.to(total[k].device), alpha=scale)
@@ -185,16 +238,19 @@ class CentralDP:
             if t.is_floating_point():
                 noise = torch.normal(0.0, std, size=t.shape, generator=self.generator)
                 total[k].add_(noise.to(total[k].device)).div_(expected_cohort)
+        require_finite(total, f"release {self.releases + 1} (the noised mean update)")
+        noised_fraction = None
+        if self.adaptive is not None:
+            count_noise = float(torch.normal(0.0, self._count_std(expected_cohort), (1,), generator=self.generator))
+            noised_fraction = (centred_count(norms, clip) + count_noise) / expected_cohort + 0.5
         self.accountant.step(
             noise_multiplier=self.charged_noise_multiplier(expected_cohort), sample_rate=self.sample_rate
         )
         self.releases += 1
-        self.last_clipped_fraction = 1 - unclipped / count if count else None
-        if self.adaptive is not None:
-            noised = unclipped + float(
-                torch.normal(0.0, self._count_std(expected_cohort), (1,), generator=self.generator)
-            )
-            self.clip_norm = self.adaptive.next_clip(clip, noised / expected_cohort)
+        self.last_clipped_fraction = sum(n > clip for n in norms) / len(norms) if norms else None
+        if noised_fraction is not None:
+            self.last_noised_unclipped_fraction = noised_fraction
+            self.clip_norm = self.adaptive.next_clip(clip, noised_fraction)
         return total
 
     def summary(self) -> dict[str, Any]:
@@ -205,6 +261,7 @@ class CentralDP:
             "mechanism": self.mechanism,
             "noise_multiplier": self.noise_multiplier,
             "clip_norm": self.clip_norm,
+            "sensitivity": self.sensitivity,  # in units of clip_norm: 2 = fixed-size cohort from a larger population
             "sampling": "poisson" if self.sample_rate < 1 else "none (q = 1)",
             "sample_rate": self.sample_rate,
             "releases": self.releases,
@@ -228,10 +285,16 @@ class DPFedAvg(FedAvg):
     """FedAvg whose aggregate is a central-DP release (see the module docstring).
 
     With `poisson=True` every connected node joins a round independently with
-    probability `fraction_train` (the sampling the accountant's q assumes); the
-    expected cohort is q·N. Otherwise the cohort is FedAvg's fixed-size sample and
-    the accountant uses q = 1. A round whose cohort sent no valid update still releases
-    (noise only): skipping it would reveal that the cohort was empty.
+    probability `fraction_train`, drawn from `secrets.SystemRandom` (the sampling the
+    accountant's q assumes); the expected cohort is q·N with N the population: the
+    nodes connected when the first cohort is drawn (after waiting for
+    `min_available_nodes`, as FedAvg does), kept in checkpoints. A fixed N keeps the
+    divisor public and nonzero when nodes come and go; nodes that join later are
+    sampled too (the sum's sensitivity is unchanged, only the mean's scale drifts).
+    Otherwise the cohort is FedAvg's fixed-size sample and the accountant uses q = 1
+    (and sensitivity 2C when that sample is smaller than the population). A round whose
+    cohort sent no valid update still releases (noise only): skipping it would reveal
+    that the cohort was empty.
     """
 
     screen_finite = True  # NaN/Inf replies are rejected before clipping
@@ -242,34 +305,44 @@ class DPFedAvg(FedAvg):
             raise ValueError(
                 f"Poisson sampling at {self.fraction_train} must be accounted with q = {self.fraction_train}"
             )
+        expected = cohort_sensitivity(fedbuff=False, poisson=poisson, fraction_train=self.fraction_train)
+        if dp.sensitivity < expected:
+            raise ValueError(f"a fixed-size cohort of a fraction {self.fraction_train} has sensitivity {expected}C")
         self.dp, self.poisson = dp, poisson
+        self.population = 0  # Poisson: N, fixed by the first cohort drawn
+        self._cohort_rng = secrets.SystemRandom()
         self._expected_cohort = 1.0
 
     def summary(self) -> None:
         super().summary()
         log.info(
-            "central DP: noise multiplier %g, clip %g (%s), delta %g, %s sampling (q = %g)%s",
+            "central DP: noise multiplier %g, clip %g (%s), delta %g, %s sampling (q = %g), sensitivity %gC%s",
             self.dp.noise_multiplier,
             self.dp.clip_norm,
             self.dp.mechanism,
             self.dp.delta,
             "Poisson" if self.poisson else "fixed-size",
             self.dp.sample_rate,
+            self.dp.sensitivity,
             f", budget epsilon <= {self.dp.max_epsilon}" if self.dp.max_epsilon else "",
         )
 
     def select_nodes(self, grid: Grid, fraction: float, minimum: int, kind: str) -> list[int]:
         if not self.poisson or kind != MessageType.TRAIN:
             return super().select_nodes(grid, fraction, minimum, kind)
-        return [n for n in grid.get_node_ids() if random.random() < fraction]
+        # Flower's sample_nodes waits for min_available_nodes (and here at least one) to connect.
+        _, connected = sample_nodes(grid, max(self.min_available_nodes, 1), 0)
+        if not self.population:
+            self.population = len(connected)
+            log.info("central DP: population N = %d, expected cohort %g", self.population, fraction * self.population)
+        return [n for n in connected if self._cohort_rng.random() < fraction]
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample the cohort, then check the budget before any message is sent."""
-        nodes = len(list(grid.get_node_ids()))
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        self._expected_cohort = self.fraction_train * nodes if self.poisson else max(len(messages), 1)
+        self._expected_cohort = self.fraction_train * self.population if self.poisson else max(len(messages), 1)
         self.dp.check_budget(self._expected_cohort)
         return messages
 
@@ -278,36 +351,48 @@ class DPFedAvg(FedAvg):
         keys = float_keys(self._global)
         updates = ({k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in screened.valid)
         noised_mean = self.dp.release(updates, self._global, self._expected_cohort)
-        return apply_update(self._global, noised_mean)
+        return require_finite(apply_update(self._global, noised_mean), f"round {server_round}'s model")
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "dp": self.dp.state_dict()}
+        return {**super().state_dict(), "dp": self.dp.state_dict(), "population": self.population}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.dp.load_state_dict(state["dp"])
+        self.population = int(state.get("population", 0))
 
 
 class DPFedBuff(FedBuff):
-    """FedBuff whose buffer flush is a central-DP release with q = 1.
+    """FedBuff whose buffer flush is a central-DP release with q = 1 and sensitivity 2C.
 
     The buffered updates are clipped and summed with their staleness weights s(τ) ≤ 1
     (which never raise one client's influence above C), never with sample counts, and
-    divided by K.
+    divided by K. At most one update per node goes into a release: a node whose update
+    waits in the buffer is not sent a new task until the flush. (The other way, a newer
+    update replacing the older one as the robust buffer does, would have the node train
+    for nothing.) So K must not exceed the nodes that can train at once. The buffer is
+    the first K distinct nodes to answer, a fixed-size subset: one more client can push
+    another out, hence 2C.
     """
 
     def __init__(self, *, dp: CentralDP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.buffer_rule is not None:
             raise ValueError("central DP has no sensitivity bound for a robust buffer rule")
-        if dp.sample_rate != 1.0:
-            raise ValueError("FedBuff's releases are accounted with q = 1")
+        if dp.sample_rate != 1.0 or dp.sensitivity != 2.0:
+            raise ValueError("FedBuff's releases are accounted with q = 1 and sensitivity 2C")
+        if self.concurrency and self.buffer_size > self.concurrency:
+            raise ValueError(
+                f"buffer_size={self.buffer_size} > concurrency={self.concurrency}: "
+                "a DP buffer takes one update per node"
+            )
         self.dp = dp
 
     def summary(self) -> None:
         super().summary()
         log.info(
-            "central DP: noise multiplier %g, clip %g (%s), delta %g, one release per buffer flush (q = 1)%s",
+            "central DP: noise multiplier %g, clip %g (%s), delta %g, one release per buffer flush (q = 1, "
+            "sensitivity 2C), at most one update per node per release%s",
             self.dp.noise_multiplier,
             self.dp.clip_norm,
             self.dp.mechanism,
@@ -315,7 +400,14 @@ class DPFedBuff(FedBuff):
             f", budget epsilon <= {self.dp.max_epsilon}" if self.dp.max_epsilon else "",
         )
 
+    def held_nodes(self) -> set[int]:
+        """Nodes with an update in the buffer: no new task before the flush."""
+        return {r.node_id for r in self.buffer}
+
     def _aggregate_buffer(self, current: TensorDict) -> TensorDict:
+        nodes = [r.node_id for r in self.buffer]
+        if len(set(nodes)) != len(nodes):  # the sensitivity bound assumes it: never release otherwise
+            raise RuntimeError(f"a DP buffer holds two updates of one node: {sorted(nodes)}")
         keys = float_keys(current)
         updates = ({k: r.arrays[k].float() - r.base[k].float() for k in keys} for r in self.buffer)
         scales = [min(self.staleness(r.staleness), 1.0) for r in self.buffer]

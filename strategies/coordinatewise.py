@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from strategies.replies import Screened
-from strategies.robust import RobustStrategy
+from strategies.robust import RobustStrategy, median_too_few
 from strategies.robust_ops import apply_update, coordinatewise
 from strategies.tensor_ops import TensorDict
 
@@ -25,10 +25,7 @@ class CoordinateMedian(RobustStrategy):
     """Coordinate-wise median; tolerates f Byzantine clients when n >= 2f + 1."""
 
     def too_few(self, n: int) -> str | None:
-        f = self.num_byzantine
-        if n < 2 * f + 1:
-            return f"strategy.num_byzantine={f} needs n >= 2f+1 = {2 * f + 1} valid replies for a median (n={n})"
-        return None
+        return median_too_few(n, self.num_byzantine)
 
     def trim(self, n: int) -> int | None:
         return None

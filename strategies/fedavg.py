@@ -3,12 +3,19 @@
 McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from
 Decentralized Data", https://arxiv.org/abs/1602.05629: the new global model is the
 mean of the client models weighted by their example counts.
+
+Those counts are the clients' claims. Taken as they stand, one node claiming 1e300
+examples *is* the new model; so each weight is capped (`weight_cap`, see
+`strategies/replies.py`) at what the server can vouch for: the node's real partition
+size in simulation, `federation.max_examples_per_node` in deployment. A lying node's
+share of the mean is then at most cap / (cap + the honest weights), and the weight
+sum is always finite.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +25,17 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-from strategies.replies import ArraySpec, Rejection, Screened, reject, screen_replies, specs_of, weighted_metrics
+from strategies.replies import (
+    WEIGHT_KEY,
+    ArraySpec,
+    Rejection,
+    Screened,
+    WeightCap,
+    reject,
+    screen_replies,
+    specs_of,
+    weighted_metrics,
+)
 from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, tensors_to_record, weighted_mean
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -34,6 +51,7 @@ class RoundReport:
     excluded: list[int] = field(default_factory=list)  # valid replies a robust rule left out
     scores: dict[int, float] = field(default_factory=dict)  # per-node robust scores (Krum)
     policy: str | None = None  # what happened when too few valid replies arrived
+    capped: list[dict[str, float]] = field(default_factory=list)  # node_id, claimed, weight: claims cut to the cap
 
     def robust_row(self) -> dict[str, Any]:
         """The robust-aggregation part of a metrics.jsonl row."""
@@ -53,10 +71,12 @@ def _destinations(messages: list[Message]) -> dict[str, int]:
 class FedAvg(Strategy):
     """Sample-weighted FedAvg (a Flower message-API strategy).
 
-    Every reply is screened first (error replies, non-finite values, keys, shapes or
-    dtypes that differ from the global model sent out, a missing or non-positive
-    `num-examples`); rejected replies are logged with node id and reason and left out.
-    A round with no valid reply returns no arrays, so the caller keeps the old model.
+    Every reply is screened first (error replies, non-finite values, keys, byte size,
+    shapes or dtypes that differ from the global model sent out, a missing or
+    non-positive `num-examples`); rejected replies are logged with node id and reason
+    and left out. Claimed counts are capped by `weight_cap` (None: only at
+    `replies.MAX_WEIGHT`), in training and evaluation replies alike. A round with no
+    valid reply returns no arrays, so the caller keeps the old model.
     """
 
     def __init__(
@@ -69,6 +89,7 @@ class FedAvg(Strategy):
         min_available_nodes: int = 2,
         message_ttl_s: float = 3600.0,
         device: torch.device | str = "cpu",
+        weight_cap: WeightCap | None = None,
     ) -> None:
         self.fraction_train = fraction_train
         self.min_train_nodes = min_train_nodes
@@ -77,6 +98,7 @@ class FedAvg(Strategy):
         self.min_available_nodes = min_available_nodes
         self.message_ttl_s = message_ttl_s
         self.device = torch.device(device)
+        self.weight_cap = weight_cap
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self._specs: dict[str, ArraySpec] = {}
@@ -99,6 +121,10 @@ class FedAvg(Strategy):
         )
 
     # --- sending ---------------------------------------------------------------
+    # Per-node training config (node id -> keys merged into that node's copy of the ConfigRecord):
+    # set by app.federated_run for local DP, whose accountant history each node gets only its own of.
+    node_config: Callable[[int], dict[str, Any]] | None = None
+
     def _messages(
         self,
         server_round: int,
@@ -114,9 +140,18 @@ class FedAvg(Strategy):
         node_ids = self.select_nodes(grid, fraction, minimum, kind)
         config["server-round"] = server_round
         content = RecordDict({"arrays": arrays, "config": config})
+
+        def content_for(node: int) -> RecordDict:
+            extra = self.node_config(node) if self.node_config is not None and kind == MessageType.TRAIN else {}
+            return RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **extra})}) if extra else content
+
         return [
             Message(
-                content=content, message_type=kind, dst_node_id=node, ttl=self.message_ttl_s, group_id=str(server_round)
+                content=content_for(node),
+                message_type=kind,
+                dst_node_id=node,
+                ttl=self.message_ttl_s,
+                group_id=str(server_round),
             )
             for node in node_ids
         ]
@@ -180,9 +215,18 @@ class FedAvg(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         screened = screen_replies(
-            replies, self._specs, check_finite=self.screen_finite, sent=_destinations(self._sent_train)
+            replies,
+            self._specs,
+            check_finite=self.screen_finite,
+            sent=_destinations(self._sent_train),
+            weight_cap=self.weight_cap,
         )
         report = self.train_report
+        report.capped = [
+            {"node_id": r.node_id, "claimed": float(r.metrics[WEIGHT_KEY]), "weight": r.weight}
+            for r in screened.valid
+            if r.weight < r.metrics[WEIGHT_KEY]
+        ]
         new = self.aggregate_models(server_round, screened)
         report.rejected = screened.rejected
         report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
@@ -194,7 +238,7 @@ class FedAvg(Strategy):
         return tensors_to_record(new, consume=True), weighted_metrics(used)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        screened = screen_replies(replies, None, sent=_destinations(self._sent_evaluate))
+        screened = screen_replies(replies, None, sent=_destinations(self._sent_evaluate), weight_cap=self.weight_cap)
         self.evaluate_report.accepted = [r.node_id for r in screened.valid]
         self.evaluate_report.rejected = screened.rejected
         return weighted_metrics(screened.valid) if screened.valid else None

@@ -44,6 +44,7 @@ from strategies.replies import (
     Rejection,
     Screened,
     ValidReply,
+    WeightCap,
     screen_reply,
     specs_of,
     weighted_metrics,
@@ -76,7 +77,9 @@ class VersionReport:
     failed: list[Rejection] = field(default_factory=list)  # error replies and timeouts since the previous version
     robust: dict[str, Any] | None = None  # the robust buffer rule's picks
     metrics: MetricRecord | None = None  # clients' training metrics, weighted
-    client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)  # per applied update
+    # Every successful reply's metrics since the previous version, whatever became of its update
+    # (discarded stale, rejected, excluded by a robust rule): a local-DP client's ε is spent either way.
+    client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)
 
 
 def server_step(
@@ -99,6 +102,8 @@ def server_step(
 
 class FedBuff(Strategy):
     """Buffered asynchronous aggregation with a staleness bound (see the module docstring)."""
+
+    node_config: Callable[[int], dict[str, Any]] | None = None  # per-node training config, as FedAvg's
 
     def __init__(
         self,
@@ -139,6 +144,7 @@ class FedBuff(Strategy):
         # (TTL + grace) is the backstop for a reply that never comes.
         self.deadline_grace_s = deadline_grace_s
         self.device = torch.device(device)
+        self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.federated_run
         self.version = 0
         self.tasks_sent = 0
         self.discarded_total = 0
@@ -185,6 +191,10 @@ class FedBuff(Strategy):
                 del self._models[version]
 
     # --- sending -----------------------------------------------------------------
+    def held_nodes(self) -> set[int]:
+        """Idle nodes not to task now (none here; DPFedBuff holds those with a buffered update)."""
+        return set()
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -193,14 +203,15 @@ class FedBuff(Strategy):
         Each message carries the current version (`server-round`) and a task number
         (`task`), so a node that trains twice on one version still draws new batches.
         """
-        busy = {t.node_id for t in self.in_flight.values()}
+        busy = {t.node_id for t in self.in_flight.values()} | self.held_nodes()
         idle = [n for n in grid.get_node_ids() if n not in busy]
         limit = self.concurrency or len(idle) + len(busy)
         free = min(len(idle), limit - len(self.in_flight))
         messages = []
         for node in random.sample(idle, free) if free > 0 else []:
             self.tasks_sent += 1
-            cfg = ConfigRecord({**config, "server-round": server_round, "task": self.tasks_sent})
+            extra = self.node_config(node) if self.node_config is not None else {}  # as FedAvg.node_config
+            cfg = ConfigRecord({**config, "server-round": server_round, "task": self.tasks_sent, **extra})
             content = RecordDict({"arrays": arrays, "config": cfg})
             messages.append(
                 Message(content, node, MessageType.TRAIN, ttl=self.message_ttl_s, group_id=str(server_round))
@@ -236,6 +247,7 @@ class FedBuff(Strategy):
             self.report.failed.append(Rejection(node, f"error reply (code {reply.error.code}): {reply.error.reason}"))
             log.warning("node %s: training task failed: %s", node, reply.error.reason)
             return
+        self.report.client_metrics += [(node, m) for m in reply.content.metric_records.values()]
         tau = self.version - task.version
         if tau > self.max_staleness or task.version not in self._models:
             self.report.discarded_stale += 1
@@ -249,18 +261,27 @@ class FedBuff(Strategy):
             )
             return
         try:
-            valid = screen_reply(reply, self._specs, check_finite=True)
+            valid = screen_reply(reply, self._specs, node=node, weight_cap=self.weight_cap)
         except InvalidReply as err:
             self.report.rejected.append(Rejection(node, str(err)))
             log.warning("rejected reply from node %s: %s", node, err)
             return
         valid.node_id, valid.staleness, valid.base = node, tau, self._models[task.version]
-        valid.weight *= self.staleness(tau)
+        valid.scale = self.staleness(tau)
+        valid.weight *= valid.scale  # the capped count times s(τ)
         if self.buffer_rule is not None:
             # A robust rule counts Byzantine *nodes*: one fast attacker must not fill the
             # buffer, so a node's newer update replaces its older one.
             self.buffer = [r for r in self.buffer if r.node_id != node]
         self.buffer.append(valid)
+
+    def settle(self, replies: Iterable[Message]) -> None:
+        """Replies pulled when the run stops: their nodes are freed and their metrics kept in
+        `report.client_metrics` (a local-DP client's ε is spent); their updates go unused."""
+        for reply in replies:
+            task = self.in_flight.pop(reply.metadata.reply_to_message_id, None)
+            if task is not None and not reply.has_error():
+                self.report.client_metrics += [(task.node_id, m) for m in reply.content.metric_records.values()]
 
     def expire(self, now: float) -> None:
         """Give up tasks past their deadline: the node is free again, the task lost."""
@@ -323,7 +344,6 @@ class FedBuff(Strategy):
         ]
         used = [r for r in self.buffer if r.node_id not in excluded]
         report.metrics = weighted_metrics(used)
-        report.client_metrics = [(r.node_id, r.metrics) for r in used]
         self.version += 1
         report.version = self.version
         self._arrays = tensors_to_record(new, consume=True)
@@ -342,9 +362,14 @@ class FedBuff(Strategy):
         *,
         first_version: int = 0,
         deadline: float | None = None,
+        drain: bool = False,
     ) -> ArrayRecord:
         """Keep nodes busy and step the model until `on_version` returns True (stop) or
-        the monotonic `deadline` passes. Returns the last global model."""
+        the monotonic `deadline` passes. Returns the last global model.
+
+        `drain=True` then waits for the tasks still out (each until its deadline) and keeps
+        their metrics in `report.client_metrics`: a local-DP node spends ε on a task whether
+        or not its update is used, and that spending must reach the server's record."""
         self.set_model(arrays, first_version)
         next_wait_log = 0.0
         while deadline is None or time.monotonic() < deadline:
@@ -352,12 +377,13 @@ class FedBuff(Strategy):
             replies = list(grid.pull_messages(list(self.in_flight))) if self.in_flight else []
             self.expire(time.monotonic())
             stop = False
-            for reply in replies:
+            for i, reply in enumerate(replies):
                 new, _ = self.aggregate_train(self.version, [reply])
                 if new is not None:
                     report, self.report = self.report, VersionReport()
                     if on_version(report, new):
                         stop = True
+                        self.settle(replies[i + 1 :])
                         break
             if stop:
                 break
@@ -368,6 +394,13 @@ class FedBuff(Strategy):
                 time.sleep(self.poll_interval_s)
         else:
             log.info("FedBuff: wall-clock budget reached at version %d", self.version)
+        if self.in_flight and drain:
+            log.info("FedBuff: waiting for the %d task(s) still out to record what they spent", len(self.in_flight))
+            while self.in_flight:
+                self.settle(grid.pull_messages(list(self.in_flight)))
+                self.expire(time.monotonic())
+                if self.in_flight:
+                    time.sleep(self.poll_interval_s)
         if self.in_flight:
             log.info("FedBuff: %d task(s) still out are abandoned (their TTL ends them)", len(self.in_flight))
         return self._arrays

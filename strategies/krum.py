@@ -5,6 +5,12 @@ Gradient Descent", https://arxiv.org/abs/1703.02757 (Krum; Multi-Krum averages t
 best-scored updates). Each client's score is the sum of squared distances from its
 update to its n − f − 2 nearest neighbours; the lowest scores win.
 
+Multi-Krum averages its selection with equal weights (times FedBuff's staleness
+factor s(τ) in the asynchronous buffer), never with the claimed example counts: a
+selected attacker claiming 1e308 examples would otherwise be the whole average (or
+overflow the weight sum to inf and zero the model), undoing the selection that let it
+in only because its update looked honest.
+
 Distances come from a Gram matrix of the updates accumulated block by block
 (`robust_ops.update_gram`), never from an n × d copy; its diagonal also tells which
 updates hold NaN or Inf, so no separate pass screens them.
@@ -34,7 +40,7 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
 class MultiKrum(RobustStrategy):
-    """Multi-Krum: the sample-weighted mean of the m best-scored client updates."""
+    """Multi-Krum: the equal-weight mean of the m best-scored client updates."""
 
     screen_finite = False  # the Gram diagonal finds non-finite updates
 
@@ -85,7 +91,7 @@ class MultiKrum(RobustStrategy):
             {k: f"{v:.4g}" if math.isfinite(v) else v for k, v in report.scores.items()},
         )
         bases = [bases[i] for i in chosen]
-        weights = [r.weight for r in selected]
+        weights = [r.scale for r in selected]  # not r.weight: claimed counts must not undo the selection
         if all(b is self._global for b in bases):
             # One base (a synchronous round): the mean of the selected models is
             # global + the mean of their updates, without forming the updates.

@@ -1,25 +1,43 @@
 """Validation of client replies before anything is aggregated.
 
 A federation is open to broken and malicious nodes: every reply is checked against
-the global model it was trained from (keys, shapes, dtypes, finite values) and for a
-usable example count. Bad replies are rejected with the node id and the reason; the
-rest are aggregated.
+the global model it was trained from (keys, byte size, shapes, dtypes, finite values)
+and for a usable example count. Bad replies are rejected with the node id and the
+reason; the rest are aggregated.
+
+A reply's `num-examples` is a claim, never trusted as it stands: the weight it earns
+is capped (`WeightCap`: the node's real partition size in simulation,
+`federation.max_examples_per_node` in deployment) and in any case at `MAX_WEIGHT`, so
+no claim outweighs the honest nodes without bound and a sum of weights is always
+finite.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord
 
 from strategies.tensor_ops import TensorDict, array_view, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 WEIGHT_KEY = "num-examples"
+
+# The largest weight any reply earns, whatever it claims: counts up to 2^53 are exact in
+# float64, and a sum of n such weights stays finite for any n below 1e292.
+MAX_WEIGHT = 2.0**53
+
+# An Array's .npy header beyond the global model's own (NumPy pads headers to 64 bytes;
+# a few hundred cover any shape): more than this is a reply padded with junk.
+HEADER_ALLOWANCE = 1024
+
+WeightCap = Callable[[int, MetricRecord, str], float]
+"""(node id, the reply's metrics, MessageType.TRAIN or .EVALUATE) -> the most examples
+that reply may count for. It may raise InvalidReply (a contradictory partition claim)."""
 
 
 class InvalidReply(ValueError):
@@ -30,21 +48,23 @@ class InvalidReply(ValueError):
 class ArraySpec:
     shape: tuple[int, ...]
     dtype: str
+    nbytes: int  # the global model's serialised size of this array, header included
 
 
 def specs_of(record: ArrayRecord) -> dict[str, ArraySpec]:
-    """Key -> (shape, dtype) of the global model, the yardstick for replies."""
-    return {k: ArraySpec(tuple(a.shape), a.dtype) for k, a in record.items()}
+    """Key -> (shape, dtype, byte size) of the global model, the yardstick for replies."""
+    return {k: ArraySpec(tuple(a.shape), a.dtype, len(a.data)) for k, a in record.items()}
 
 
 @dataclass
 class ValidReply:
     node_id: int
-    weight: float
-    metrics: MetricRecord
+    weight: float  # the capped example count (times s(τ) in FedBuff): what a weighted mean uses
+    metrics: MetricRecord  # as received: metrics[WEIGHT_KEY] is the claimed count
     arrays: TensorDict = field(default_factory=dict)
     base: TensorDict | None = None  # the model it trained from, when not this round's global (async)
     staleness: int = 0  # versions the global model moved on while it trained (async)
+    scale: float = 1.0  # FedBuff's staleness factor s(τ): the weight of rules that ignore counts
 
 
 @dataclass
@@ -81,6 +101,8 @@ def reply_weight(metrics: MetricRecord, weight_key: str = WEIGHT_KEY) -> float:
 def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec], check_finite: bool = True) -> TensorDict:
     """Zero-copy tensors of a reply's arrays, or InvalidReply naming the first problem.
 
+    The byte size is checked before any payload is parsed or viewed: a reply larger
+    than the global model (plus `HEADER_ALLOWANCE` per array) is refused outright.
     `check_finite=False` leaves the NaN/Inf check to an aggregator that gets it for
     free from its own pass over the data (FedAvg's output, Krum's Gram diagonal).
     """
@@ -89,6 +111,10 @@ def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec], check_finite:
         raise InvalidReply(
             f"array keys differ from the global model (missing {sorted(missing)}, unexpected {sorted(extra)})"
         )
+    size = sum(len(a.data) for a in record.values())
+    limit = sum(spec.nbytes + HEADER_ALLOWANCE for spec in specs.values())
+    if size > limit:
+        raise InvalidReply(f"arrays hold {size} bytes, more than the global model's {limit} (headers included)")
     tensors: TensorDict = {}
     for key, spec in specs.items():
         arr = record[key]
@@ -104,21 +130,43 @@ def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec], check_finite:
     return tensors
 
 
+def capped_weight(claimed: float, node: int, metrics: MetricRecord, kind: str, cap: WeightCap | None) -> float:
+    """The weight a claimed count earns: min(claim, the node's cap, MAX_WEIGHT)."""
+    limit = MAX_WEIGHT if cap is None else min(cap(node, metrics, kind), MAX_WEIGHT)
+    if not limit > 0:  # also NaN
+        raise InvalidReply(f"claims {claimed:g} examples, but its data holds none the server knows of")
+    if claimed > limit:
+        log.info("node %s claims %g examples; counted as %g", node, claimed, limit)
+    return min(claimed, limit)
+
+
 def screen_reply(
-    msg: Message, specs: dict[str, ArraySpec] | None, weight_key: str = WEIGHT_KEY, check_finite: bool = True
+    msg: Message,
+    specs: dict[str, ArraySpec] | None,
+    weight_key: str = WEIGHT_KEY,
+    check_finite: bool = True,
+    *,
+    node: int | None = None,
+    weight_cap: WeightCap | None = None,
 ) -> ValidReply:
-    """Validate one reply; `specs=None` checks metrics only (evaluation replies)."""
+    """Validate one reply; `specs=None` checks metrics only (evaluation replies).
+
+    `node` is the node the task was sent to (default: the reply's sender); its
+    `weight_cap` bounds the claimed example count.
+    """
     if msg.has_error():
         raise InvalidReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
+    node = msg.metadata.src_node_id if node is None else node
     content = msg.content
     metrics = _only_record(content.metric_records, "MetricRecord")
-    weight = reply_weight(metrics, weight_key)
+    kind = MessageType.TRAIN if specs is not None else MessageType.EVALUATE
+    weight = capped_weight(reply_weight(metrics, weight_key), node, metrics, kind, weight_cap)
     arrays = (
         check_arrays(_only_record(content.array_records, "ArrayRecord"), specs, check_finite)
         if specs is not None
         else {}
     )
-    return ValidReply(node_id=msg.metadata.src_node_id, weight=weight, metrics=metrics, arrays=arrays)
+    return ValidReply(node_id=node, weight=weight, metrics=metrics, arrays=arrays)
 
 
 def screen_replies(
@@ -127,19 +175,20 @@ def screen_replies(
     weight_key: str = WEIGHT_KEY,
     check_finite: bool = True,
     sent: Mapping[str, int] | None = None,
+    weight_cap: WeightCap | None = None,
 ) -> Screened:
     """Split replies into valid ones and logged rejections.
 
-    `sent` (message id -> destination node) names the node a rejection is about: an error
+    `sent` (message id -> destination node) names the node a reply is about: an error
     the SuperLink answers for a vanished node (NODE_UNAVAILABLE) comes from the SuperLink's
     own node id, not from the node the task was for.
     """
     out = Screened()
     for msg in replies:
+        node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
         try:
-            out.valid.append(screen_reply(msg, specs, weight_key, check_finite))
+            out.valid.append(screen_reply(msg, specs, weight_key, check_finite, node=node, weight_cap=weight_cap))
         except InvalidReply as err:
-            node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
             out.rejected.append(Rejection(node, str(err)))
             log.warning("rejected reply from node %s: %s", node, err)
     return out

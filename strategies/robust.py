@@ -3,7 +3,10 @@
 A robust rule tolerating f Byzantine clients needs enough valid replies (Krum:
 n >= 2f + 3). When a round brings fewer, the configured policy applies and is
 logged: `skip` keeps the previous model, `fallback` takes the coordinate-wise
-median of the valid replies. Never a silent plain average.
+median of the valid replies if there are at least 2f + 1 of them (the median's own
+bound: f attackers cannot outnumber the honest middle), and skips otherwise: the
+median of 2 replies is their mean, which one attacker moves anywhere. Never a silent
+plain average.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from strategies.tensor_ops import TensorDict, is_finite
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 POLICIES = ("skip", "fallback")
+
+
+def median_too_few(n: int, f: int) -> str | None:
+    """Why a coordinate-wise median of n replies does not tolerate f Byzantine ones."""
+    if n < 2 * f + 1:
+        return f"strategy.num_byzantine={f} needs n >= 2f+1 = {2 * f + 1} valid replies for a median (n={n})"
+    return None
 
 
 class RobustStrategy(FedAvg):
@@ -75,16 +85,18 @@ class RobustStrategy(FedAvg):
             for reply in list(screened.valid):
                 if not all(is_finite(t) for t in reply.arrays.values()):
                     reject(screened, reply, "non-finite values (NaN or Inf)")
-        if self.on_too_few == "skip" or not screened.valid:
-            self.train_report.policy = "skip"
-            log.warning("round %d: %s; policy skip: keeping the previous global model", server_round, reason)
-            return None
-        self.train_report.policy = "fallback-median"
-        log.warning(
-            "round %d: %s; policy fallback: coordinate-wise median of %d replies",
-            server_round,
-            reason,
-            len(screened.valid),
-        )
-        models = [r.arrays for r in screened.valid]
-        return apply_update(self._global, coordinatewise(models, self.bases(screened), None, self.device))
+            problem = median_too_few(len(screened.valid), self.num_byzantine)
+            if problem is None:
+                self.train_report.policy = "fallback-median"
+                log.warning(
+                    "round %d: %s; policy fallback: coordinate-wise median of %d replies",
+                    server_round,
+                    reason,
+                    len(screened.valid),
+                )
+                models = [r.arrays for r in screened.valid]
+                return apply_update(self._global, coordinatewise(models, self.bases(screened), None, self.device))
+            reason = f"{reason}; policy fallback cannot help: {problem}"
+        self.train_report.policy = "skip"
+        log.warning("round %d: %s; skipping the round: keeping the previous global model", server_round, reason)
+        return None

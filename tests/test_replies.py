@@ -7,8 +7,10 @@ import pytest
 from conftest import make_reply
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
+import strategies.replies as replies_module
+from strategies import tensor_ops
 from strategies.fedavg import FedAvg
-from strategies.replies import screen_replies, specs_of, weighted_metrics
+from strategies.replies import MAX_WEIGHT, InvalidReply, screen_replies, specs_of, weighted_metrics
 
 
 def _bad_replies(good: dict[str, np.ndarray]) -> dict[str, object]:
@@ -113,3 +115,93 @@ def test_a_superlink_error_for_a_vanished_node_is_charged_to_that_node():
     assert named.node_id == 7 and "Node Unavailable" in named.reason
     (unnamed,) = screen_replies([reply], None).rejected
     assert unnamed.node_id == 1
+
+
+# --- claimed example counts --------------------------------------------------------------
+def _liar_round(rng, model_arrays, claim: float, weight_cap=None):
+    """9 honest nodes with 100 examples and node 99 claiming `claim` while sending -50."""
+    honest = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in model_arrays.items()} for _ in range(9)]
+    liar = {k: np.full_like(v, -50.0) for k, v in model_arrays.items()}
+    replies = [make_reply(i + 1, m, {"num-examples": 100}) for i, m in enumerate(honest)]
+    replies.append(make_reply(99, liar, {"num-examples": claim}))
+    strategy = FedAvg(weight_cap=weight_cap)
+    strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    return strategy, honest, liar, arrays, metrics
+
+
+def test_an_inflated_count_is_capped_and_no_longer_decides_fedavg(rng, model_arrays):
+    """Reproduces issue 12: one node claiming 1e300 examples used to *be* the new model."""
+    seen = []
+
+    def partition_size(node: int, metrics: MetricRecord, kind: str) -> float:
+        seen.append((node, kind))
+        return 100.0  # what the server knows each node's partition holds
+
+    strategy, honest, liar, arrays, metrics = _liar_round(rng, model_arrays, 1e300, partition_size)
+    for key in model_arrays:
+        expected = (sum(h[key] for h in honest) * 100 + liar[key] * 100) / 1000
+        np.testing.assert_allclose(arrays[key].numpy(), expected, rtol=1e-5, atol=1e-5)
+        assert np.abs(arrays[key].numpy() + 50).min() > 40  # nowhere near the liar's -50
+    assert strategy.train_report.capped == [{"node_id": 99, "claimed": 1e300, "weight": 100.0}]
+    assert metrics["num-examples"] == 1000
+    assert sorted(seen) == [(n, "train") for n in [*range(1, 10), 99]]
+
+
+def test_weights_stay_finite_without_a_configured_cap(rng, model_arrays):
+    """Claims that overflow a float sum (2 x 1e308 = inf) once zeroed the model; every
+    weight is now at most MAX_WEIGHT, so the sum is finite and the mean is the mean."""
+    models = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in model_arrays.items()} for _ in range(3)]
+    replies = [make_reply(i, m, {"num-examples": 1e308}) for i, m in enumerate(models)]
+    strategy = FedAvg()
+    strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["num-examples"] == 3 * MAX_WEIGHT
+    for key in model_arrays:
+        np.testing.assert_allclose(arrays[key].numpy(), sum(m[key] for m in models) / 3, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_counts_are_capped_too():
+    def cap(node: int, metrics: MetricRecord, kind: str) -> float:
+        assert kind == "evaluate"
+        return 10.0
+
+    good = make_reply(1, None, {"num-examples": 10, "eval-accuracy": 0.9})
+    liar = make_reply(2, None, {"num-examples": 1e12, "eval-accuracy": 0.0})
+    metrics = FedAvg(weight_cap=cap).aggregate_evaluate(1, [good, liar])
+    assert metrics["eval-accuracy"] == pytest.approx(0.45) and metrics["num-examples"] == 20
+
+
+def test_a_cap_of_zero_rejects_the_claim_and_a_cap_may_refuse_the_reply(model_arrays):
+    def cap(node: int, metrics: MetricRecord, kind: str) -> float:
+        if node == 2:
+            raise InvalidReply("partition-id=1 is already held by node 1")
+        return 0.0
+
+    screened = screen_replies(
+        [make_reply(1, None, {"num-examples": 5}), make_reply(2, None, {"num-examples": 5})], None, weight_cap=cap
+    )
+    assert not screened.valid
+    assert [(r.node_id, r.reason) for r in screened.rejected] == [
+        (1, "claims 5 examples, but its data holds none the server knows of"),
+        (2, "partition-id=1 is already held by node 1"),
+    ]
+
+
+# --- size ------------------------------------------------------------------------------------
+def test_a_reply_larger_than_the_global_model_is_refused_before_it_is_parsed(monkeypatch, model_arrays):
+    viewed = []
+    real_view = tensor_ops.array_view
+    monkeypatch.setattr(replies_module, "array_view", lambda a: viewed.append(a) or real_view(a))
+    specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
+    padded = ArrayRecord({k: Array(v) for k, v in model_arrays.items()})
+    big = padded["fc.weight"]
+    # Same declared shape and dtype, a payload padded to several times the whole model.
+    padded["fc.weight"] = Array(dtype=big.dtype, shape=big.shape, stype=big.stype, data=big.data + bytes(1 << 16))
+    msg = make_reply(42, None, {"num-examples": 5})
+    msg.content["arrays"] = padded
+    (rejected,) = screen_replies([msg], specs).rejected
+    assert rejected.node_id == 42 and "more than the global model's" in rejected.reason
+    assert viewed == []  # refused on its byte count, before any payload was parsed
+    exact = make_reply(43, model_arrays, {"num-examples": 5})
+    assert screen_replies([exact], specs).valid and len(viewed) == len(model_arrays)

@@ -58,9 +58,10 @@ def _configure(strategy, global_model, n: int):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("m", [1, 4])
 def test_krum_selects_what_flower_selects(seed, m):
+    """Equal counts: Flower's Multi-Krum weights its average by them, ours never does."""
     rng = np.random.default_rng(seed)
     n = 11
-    global_model, _, replies, _ = _setup(rng, n, outliers={2: 5.0, 7: 3.0}, counters_differ=False)
+    global_model, _, replies, _ = _setup(rng, n, outliers={2: 5.0, 7: 3.0}, counts=[20] * n, counters_differ=False)
     strategy = Krum(num_byzantine=2) if m == 1 else MultiKrum(num_byzantine=2, num_selected=m)
     _configure(strategy, global_model, n)
     ours, _ = strategy.aggregate_train(1, replies)
@@ -127,21 +128,26 @@ def test_nan_update_is_rejected_through_the_gram_diagonal():
     assert 103 not in strategy.train_report.scores
 
 
-@pytest.mark.parametrize("policy", ["skip", "fallback"])
-def test_too_few_valid_replies_apply_the_policy(policy):
+@pytest.mark.parametrize(
+    ("policy", "num_valid", "outcome"),
+    [("skip", 5, "skip"), ("fallback", 5, "fallback-median"), ("fallback", 4, "skip"), ("fallback", 2, "skip")],
+)
+def test_too_few_valid_replies_apply_the_policy(policy, num_valid, outcome):
+    """Krum with f = 2 needs 7 replies. The fallback median needs 2f + 1 = 5: a median of
+    2 replies is their mean, which one attacker moves anywhere, so below 5 it skips too."""
     rng = np.random.default_rng(6)
     global_model, models, replies, _ = _setup(rng, 7, outliers={})
-    broken = [make_reply(100 + i, None, None, error="node vanished") for i in range(4)]
-    valid = replies[4:]  # 3 valid replies < 2f + 3 = 7
+    gone = 7 - num_valid
+    broken = [make_reply(100 + i, None, None, error="node vanished") for i in range(gone)]
     strategy = Krum(num_byzantine=2, on_too_few=policy)
     _configure(strategy, global_model, 7)
-    arrays, _ = strategy.aggregate_train(1, broken + valid)
-    if policy == "skip":
-        assert arrays is None and strategy.train_report.policy == "skip"
+    arrays, _ = strategy.aggregate_train(1, broken + replies[gone:])
+    assert strategy.train_report.policy == outcome
+    if outcome == "skip":
+        assert arrays is None
         return
-    assert strategy.train_report.policy == "fallback-median"
     for key in ("conv.weight", "fc.weight"):
-        expected = np.median(np.stack([m[key] for m in models[4:]]), axis=0)
+        expected = np.median(np.stack([m[key] for m in models[gone:]]), axis=0)
         np.testing.assert_allclose(arrays[key].numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -160,3 +166,69 @@ def test_views_of_the_global_model_are_the_bases():
     strategy = CoordinateMedian()
     record = _configure(strategy, global_model, 3)
     assert all(torch.equal(strategy._global[k], record_to_tensors(record)[k]) for k in global_model)
+
+
+# --- claimed example counts ---------------------------------------------------------------
+def test_selected_attackers_claiming_huge_counts_do_not_decide_the_multikrum_mean():
+    """Reproduces issue 12: two selected attackers claiming 1e308 examples each overflowed
+    the weight sum to inf and zeroed the model; their claims now weigh nothing."""
+    rng = np.random.default_rng(8)
+    n = 9
+    global_model, models, replies, _ = _setup(rng, n, outliers={}, counts=[30] * n, counters_differ=False)
+    honest_mean = {k: np.mean([m[k] for m in models], axis=0) for k in global_model}
+    for i in (0, 1):  # honest-looking: the mean of everyone's models is the closest to all of them
+        models[i] = {k: np.asarray(honest_mean[k], dtype=v.dtype) for k, v in global_model.items()}
+        replies[i] = make_reply(100 + i, models[i], {"num-examples": 1e308})
+    strategy = MultiKrum(num_byzantine=2, num_selected=4)
+    _configure(strategy, global_model, n)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    selected = strategy.train_report.accepted
+    assert {100, 101} <= set(selected)
+    for key in ("conv.weight", "fc.weight"):
+        expected = np.mean([models[node - 100][key] for node in selected], axis=0)
+        np.testing.assert_allclose(arrays[key].numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_robust_fedbuff_buffer_weighs_by_staleness_not_by_claims():
+    """The Multi-Krum buffer averages its picks by s(τ) alone; the mean buffer by the
+    capped count times s(τ), and its `applied` rows show the claim next to the weight."""
+    from strategies.fedbuff import FedBuff, InFlight
+    from strategies.staleness import staleness_fn
+
+    rng = np.random.default_rng(9)
+    v0 = {"w": rng.normal(size=(4, 3)).astype(np.float32)}
+    v1 = {"w": v0["w"] + 0.01}
+    models = [{"w": v1["w"] + rng.normal(scale=1e-3, size=(4, 3)).astype(np.float32)} for _ in range(5)]
+    claims = [1e308, 1e308, 10, 10, 10]
+    versions = [0, 1, 1, 1, 1]  # node 0 trained on version 0: staleness 1, s = 2^-0.5
+
+    def run(rule, cap):
+        s = FedBuff(buffer_size=5, max_staleness=2, staleness=staleness_fn("polynomial", 0.5), server_lr=1.0)
+        s.buffer_rule = rule
+        s.weight_cap = cap
+        for v, model in ((0, v0), (1, v1)):
+            s.set_model(ArrayRecord({k: Array(x) for k, x in model.items()}), v)
+        replies = []
+        for i, (model, claim, version) in enumerate(zip(models, claims, versions, strict=True)):
+            s.in_flight[f"m{i}"] = InFlight(10 + i, version, deadline=float("inf"))
+            reply = make_reply(10 + i, model, {"num-examples": claim})
+            reply.metadata.__dict__["_reply_to_message_id"] = f"m{i}"
+            replies.append(reply)
+        new, _ = s.aggregate_train(1, replies)
+        return s, new
+
+    bases = [v0 if v == 0 else v1 for v in versions]
+    updates = [m["w"] - b["w"] for m, b in zip(models, bases, strict=True)]
+    scales = [2**-0.5, 1, 1, 1, 1]
+
+    s, new = run(MultiKrum(num_byzantine=0, num_selected=5), cap=None)  # selects all 5
+    expected = v1["w"] + sum(sc * u for sc, u in zip(scales, updates, strict=True)) / sum(scales)
+    np.testing.assert_allclose(new["w"].numpy(), expected, rtol=1e-5, atol=1e-6)
+
+    s, new = run(None, cap=lambda node, metrics, kind: 20.0)
+    weights = [min(c, 20.0) * sc for c, sc in zip(claims, scales, strict=True)]
+    expected = v1["w"] + sum(w * u for w, u in zip(weights, updates, strict=True)) / sum(weights)
+    np.testing.assert_allclose(new["w"].numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert [(u["num_examples"], u["weight"]) for u in s.report.applied] == pytest.approx(
+        list(zip(claims, weights, strict=True))
+    )

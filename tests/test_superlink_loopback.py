@@ -299,8 +299,8 @@ class LoopbackFederation:
         temp = " ".join(f"{kind}_temp_path {home / 'tmp' / kind};" for kind in ("client_body", "proxy"))
         # nginx's combined format plus the upstream it contacted ("-": the SuperLink saw nothing).
         log_format = (
-            "log_format edge '$remote_addr - $remote_user [$time_local] \"$request\" $status $body_bytes_sent "
-            "\"$http_referer\" \"$http_user_agent\" upstream=$upstream_addr';"
+            'log_format edge \'$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent '
+            '"$http_referer" "$http_user_agent" upstream=$upstream_addr\';'
         )
         (home / "nginx.conf").write_text(
             ("user root;\n" if os.geteuid() == 0 else "")  # workers must read the temp dirs under tmp_path
