@@ -505,10 +505,12 @@ class FederatedRun:
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             client_metrics = reply_metrics(replies)
             self.record_spending(client_metrics)
-            if cfg.privacy.name != "none":
-                # On record before anyone sees this round's release (federated evaluation sends it out)
-                # and before anything else can crash: the previous model with this round's spending, so a
-                # crash before the round's own checkpoint re-runs the round, charged twice, never zero times.
+            if self.local_dp is not None or (self.dp is not None and cfg.federation.fraction_evaluate > 0):
+                # Spending that has left the server (local DP: the clients' steps; central DP: the release,
+                # once federated evaluation sends it out) goes on record before anything else can crash:
+                # the previous model with this round's spending, so a crash before the round's own
+                # checkpoint re-runs the round, charged twice, never zero times. A central release that
+                # nobody has seen yet needs no such record: re-running its round releases it afresh.
                 self.save_state(rnd - 1, self.elapsed())
             report = strategy.train_report
             if new_arrays is not None:
