@@ -18,9 +18,10 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from app.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
-from app.config import ClientSettings
-from app.data import (
+from app.protocol import ClientSettings
+from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
+from app.simulation.stragglers import slow_down
+from app.task.data import (
     DataSpec,
     ImageTensors,
     check_spec,
@@ -31,10 +32,9 @@ from app.data import (
     spec_from_record,
     split_validation,
 )
-from app.models import build_model
-from app.stragglers import slow_down
-from app.telemetry import GpuTelemetry
-from app.training import Precision, evaluate, prepare_model, resolve_device, resolve_precision, train
+from app.task.models import build_model
+from app.task.telemetry import GpuTelemetry
+from app.task.training import Precision, evaluate, prepare_model, resolve_device, resolve_precision, train
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -98,7 +98,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     if settings.privacy.name == "local":
-        from app.local_dp import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
+        from app.privacy.local_dp import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
@@ -127,7 +127,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if settings.privacy.name == "local":
-            from app.local_dp import history_key, train_private
+            from app.privacy.local_dp import history_key, train_private
 
             stats, dp_metrics = train_private(
                 job.model,

@@ -11,10 +11,11 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from app.config import ConfigError, load_config
-from app.data import DatasetUnavailableError
-from app.federated_run import run_federation
-from app.results import output_root
+from app.config.compose import load_config
+from app.config.schema import ConfigError
+from app.run.federation import run_federation
+from app.run.results import output_root
+from app.task.data import DatasetUnavailableError
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

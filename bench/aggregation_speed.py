@@ -5,7 +5,7 @@ What it measures
     ArrayRecord of Arrays and a MetricRecord holding `num-examples`, built as a
     ServerApp receives them (`Message(content, reply_to=instruction)`, cf.
     tests/conftest.py::make_reply). The arrays have the shapes and dtypes of
-    ResNet-18's state_dict (`app.models.build_model`, width 64, 3x32x32 inputs, 10
+    ResNet-18's state_dict (`app.task.models.build_model`, width 64, 3x32x32 inputs, 10
     classes: 122 arrays, 11.18 M values, 44.7 MB, including the int64
     `num_batches_tracked` buffers). The global model is one random state; each client
     model is global + a small random update (honest clients with update scales 1e-3
@@ -105,10 +105,10 @@ from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum  # noqa: E402
 from flwr.serverapp.strategy.multikrum import select_multikrum  # noqa: E402
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords  # noqa: E402
 
-from app.config import ModelConfig  # noqa: E402
-from app.data import DataSpec  # noqa: E402
-from app.local_grid import act_as_server  # noqa: E402
-from app.models import build_model  # noqa: E402
+from app.config.schema import ModelConfig  # noqa: E402
+from app.simulation.local_grid import act_as_server  # noqa: E402
+from app.task.data import DataSpec  # noqa: E402
+from app.task.models import build_model  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
 from strategies.krum import Krum, MultiKrum  # noqa: E402
 from strategies.replies import specs_of  # noqa: E402

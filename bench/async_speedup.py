@@ -8,7 +8,7 @@ The default task (digits, small CNN, 3 local epochs) on 10 nodes, in two setting
 (`stragglers=lognormal`). Per setting and seed, sync FedAvg runs `--rounds` rounds;
 FedBuff then gets exactly the wall-clock time sync took (`federation.max_wall_time_s`).
 Both run here, one after the other, through the real ClientApp on 10 concurrent
-in-process nodes (app/local_grid.py, one thread per node): stragglers really sleep
+in-process nodes (app/simulation/local_grid.py, one thread per node): stragglers really sleep
 (s − 1) x their measured compute time, and wall time is real. Time to target is the
 wall time of the first central evaluation at or above `--target`.
 
@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_model  # noqa: E402
 
 from app.client_app import app as client_app  # noqa: E402
-from app.compare_runs import draw_curves, read_curve  # noqa: E402
-from app.config import load_config  # noqa: E402
-from app.federated_run import run_federation  # noqa: E402
-from app.local_grid import InProcessGrid  # noqa: E402
+from app.config.compose import load_config  # noqa: E402
+from app.run.federation import run_federation  # noqa: E402
+from app.simulation.local_grid import InProcessGrid  # noqa: E402
+from app.tools.compare_runs import draw_curves, read_curve  # noqa: E402
 
 SETTINGS = {"3 nodes 5x slower": "stragglers=fixed", "lognormal sigma=1": "stragglers=lognormal stragglers.sigma=1.0"}
 FEDBUFF = "strategy=fedbuff strategy.eval_every=2 federation.rounds=100000"

@@ -4,7 +4,7 @@
 final test accuracy of FedAvg, Krum, Multi-Krum, median and trimmed mean, next to
 clean FedAvg; averaged over seeds, since one seed's last round can be an outlier
 (Krum adopts a single client's model each round). Runs use the real ServerApp round loop and ClientApp through the
-in-process grid (`app/local_grid.py`): the same code as under `flwr run`, without
+in-process grid (`app/simulation/local_grid.py`): the same code as under `flwr run`, without
 the SuperLink's start-up cost per run.
 
     python bench/byzantine_experiment.py                  # 90 runs, about 20 min on 2 cores
@@ -43,10 +43,10 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
     import torch
 
     from app.client_app import app as client_app
-    from app.config import load_config
-    from app.federated_run import run_federation
-    from app.local_grid import InProcessGrid
-    from app.results import read_rows
+    from app.config.compose import load_config
+    from app.run.federation import run_federation
+    from app.run.results import read_rows
+    from app.simulation.local_grid import InProcessGrid
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after the imports: flwr sets it on import

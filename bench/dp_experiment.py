@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from app.client_app import app as client_app  # noqa: E402
-from app.config import load_config  # noqa: E402
-from app.federated_run import run_federation  # noqa: E402
-from app.local_grid import InProcessGrid  # noqa: E402
-from app.results import read_rows  # noqa: E402
+from app.config.compose import load_config  # noqa: E402
+from app.run.federation import run_federation  # noqa: E402
+from app.run.results import read_rows  # noqa: E402
+from app.simulation.local_grid import InProcessGrid  # noqa: E402
 
 CENTRAL = "model.width=16 federation.rounds=30"  # privacy=central* clips at 1.0
 GROUPS = {

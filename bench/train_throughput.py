@@ -3,7 +3,7 @@
 What it measures
     1. "ours": the ClientApp's training path exactly as `app/client_app.py::train_handler`
        runs it: `resolve_precision` -> `prepare_model` -> `GpuTelemetry(...)` around
-       `app.training.train(...)`. Timed from entering the telemetry context to a device
+       `app.task.training.train(...)`. Timed from entering the telemetry context to a device
        sync after it exits, so data staging, optimizer creation, loss/accuracy
        accumulation and telemetry start/stop are all inside the measurement.
     2. "plain": a textbook loop (`model.train()`; per batch `zero_grad`, forward,
@@ -58,11 +58,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from app.config import DatasetConfig, ModelConfig, TrainConfig  # noqa: E402
-from app.data import DataSpec, ImageTensors, data_spec, load_splits, materialize  # noqa: E402
-from app.models import build_model  # noqa: E402
-from app.telemetry import GpuTelemetry  # noqa: E402
-from app.training import prepare_model, resolve_device, resolve_precision, train  # noqa: E402
+from app.config.schema import DatasetConfig, ModelConfig, TrainConfig  # noqa: E402
+from app.task.data import DataSpec, ImageTensors, data_spec, load_splits, materialize  # noqa: E402
+from app.task.models import build_model  # noqa: E402
+from app.task.telemetry import GpuTelemetry  # noqa: E402
+from app.task.training import prepare_model, resolve_device, resolve_precision, train  # noqa: E402
 
 GOAL_RATIO = 0.97
 
@@ -94,7 +94,7 @@ def machine_info(device: torch.device) -> dict[str, object]:
 
 
 def samples_per_run(n: int, batch_size: int, epochs: int) -> int:
-    """Samples one run trains on, with `app.training.batch_indices`' rule (a trailing batch of one is dropped)."""
+    """Samples one run trains on, with `app.task.training.batch_indices`' rule (a trailing batch of one is dropped)."""
     full, rest = divmod(n, batch_size)
     per_epoch = n - rest if (rest == 1 and full >= 1) else n
     return per_epoch * epochs
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(device)
     t0 = time.perf_counter()
 
-    print("Client training loop throughput: ours (app.training.train via the train_handler path) vs plain PyTorch")
+    print("Client training loop throughput: ours (app.task.training.train via the train_handler path) vs plain PyTorch")
     for k in ("cpu", "cpu_count", "torch", "device", "gpu", "torch_threads", "torch_interop_threads"):
         if k in machine:
             print(f"  {k:22s} {machine[k]}")

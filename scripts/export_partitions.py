@@ -22,8 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout
 
-from app.config import ConfigError, load_config  # noqa: E402
-from app.data import check_partitioning, load_splits, materialize, partition_indices  # noqa: E402
+from app.config.compose import load_config  # noqa: E402
+from app.config.schema import ConfigError
+from app.task.data import check_partitioning, load_splits, materialize, partition_indices  # noqa: E402
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: str = "") -> list[Path]:

@@ -34,7 +34,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the app, also fr
 
 from credentials import write_flwr_config  # noqa: E402
 
-from app.processes import flwr_cli  # noqa: E402
+from app.tools.processes import flwr_cli  # noqa: E402
 
 CONNECTION = "register-nodes"  # the entry's name in the temporary FLWR_HOME (--address)
 ALREADY_REGISTERED = "already in use"  # Flower 1.42: "[code: 23] Public key already in use."

@@ -122,7 +122,7 @@ class FedAvg(Strategy):
 
     # --- sending ---------------------------------------------------------------
     # Per-node training config (node id -> keys merged into that node's copy of the ConfigRecord):
-    # set by app.federated_run for local DP, whose accountant history each node gets only its own of.
+    # set by app.run.federation for local DP, whose accountant history each node gets only its own of.
     node_config: Callable[[int], dict[str, Any]] | None = None
 
     def _messages(

@@ -144,7 +144,7 @@ class FedBuff(Strategy):
         # (TTL + grace) is the backstop for a reply that never comes.
         self.deadline_grace_s = deadline_grace_s
         self.device = torch.device(device)
-        self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.federated_run
+        self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.run.federation
         self.version = 0
         self.tasks_sent = 0
         self.discarded_total = 0

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 
-from app.local_grid import act_as_server
-from app.processes import free_ports  # noqa: F401 - re-exported for the tests
+from app.simulation.local_grid import act_as_server
+from app.tools.processes import free_ports  # noqa: F401 - re-exported for the tests
 
 sys.path.insert(0, str(Path(__file__).parent))
 

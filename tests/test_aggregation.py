@@ -92,7 +92,7 @@ def test_flatten_unflatten_roundtrip(model_arrays):
 
 
 def test_messages_carry_ttl_round_and_config():
-    from app.local_grid import InProcessGrid
+    from app.simulation.local_grid import InProcessGrid
 
     grid = InProcessGrid(lambda m, c: m, num_nodes=3)
     strategy = FedAvg(message_ttl_s=123.0, min_train_nodes=3, min_available_nodes=3)

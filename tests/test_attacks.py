@@ -12,15 +12,17 @@ from conftest import context_for
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 import app.client_app as client_module
-import app.federated_run as run_module
-from app.attacks import flip_labels, malicious_partitions
+import app.run.federation as run_module
 from app.client_app import app as client_app
-from app.config import ConfigError, load_config, to_client_record
-from app.data import DataSpec, load_splits, spec_to_record
-from app.federated_run import example_cap, run_federation
-from app.local_grid import InProcessGrid
-from app.models import build_model
-from app.results import read_rows
+from app.config.compose import load_config
+from app.config.schema import ConfigError
+from app.protocol import to_client_record
+from app.run.federation import example_cap, run_federation
+from app.run.results import read_rows
+from app.simulation.attacks import flip_labels, malicious_partitions
+from app.simulation.local_grid import InProcessGrid
+from app.task.data import DataSpec, load_splits, spec_to_record
+from app.task.models import build_model
 from strategies.partitions import PartitionBinding
 
 NODES = 5

@@ -22,9 +22,10 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 from opacus.accountants import RDPAccountant
 
 from app.client_app import app as client_app
-from app.config import ConfigError, load_config
-from app.federated_run import EXACT_ROW_KEYS, build_strategy, run_federation
-from app.local_grid import InProcessGrid
+from app.config.compose import load_config
+from app.config.schema import ConfigError
+from app.run.federation import EXACT_ROW_KEYS, build_strategy, run_federation
+from app.simulation.local_grid import InProcessGrid
 from strategies.central_dp import (
     AdaptiveClip,
     CentralDP,

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from app.config import ClientSettings, ConfigError, PartitionConfig, load_config, to_client_record, validate
-from app.data import check_partitioning
-from app.results import new_run_dir, output_root
+from app.config.compose import load_config
+from app.config.schema import ConfigError, PartitionConfig
+from app.config.validate import validate
+from app.protocol import ClientSettings, to_client_record
+from app.run.results import new_run_dir, output_root
+from app.task.data import check_partitioning
 
 
 def test_defaults_compose_and_validate():

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from app.config import DatasetConfig, PartitionConfig
-from app.data import (
+from app.config.schema import DatasetConfig, PartitionConfig
+from app.task.data import (
     DatasetUnavailableError,
     data_spec,
     load_local_data,
@@ -135,7 +135,7 @@ def test_hub_loader_on_a_local_dataset(tmp_path):
 
 def test_hub_dataset_offline_fails_with_what_to_do():
     code = (
-        "from app.config import DatasetConfig\nfrom app.data import load_splits\n"
+        "from app.config.schema import DatasetConfig\nfrom app.task.data import load_splits\n"
         "load_splits(DatasetConfig(name='cifar10', hf_name='uoft-cs/cifar10', image_key='img'), 0)"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent-hf-home"}

@@ -11,7 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from app.local_grid import InProcessGrid
+from app.simulation.local_grid import InProcessGrid
 from strategies.coordinatewise import CoordinateMedian
 from strategies.fedbuff import FedBuff, InFlight, server_step
 from strategies.krum import Krum

@@ -11,10 +11,11 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
 from app.client_app import app as client_app
-from app.config import ConfigError, StragglersConfig, load_config
-from app.federated_run import run_federation
-from app.local_grid import InProcessGrid
-from app.stragglers import SimulatedDropout, client_record, slow_down, straggler_factors
+from app.config.compose import load_config
+from app.config.schema import ConfigError, StragglersConfig
+from app.run.federation import run_federation
+from app.simulation.local_grid import InProcessGrid
+from app.simulation.stragglers import SimulatedDropout, client_record, slow_down, straggler_factors
 from strategies.fedbuff import FedBuff
 from strategies.staleness import staleness_fn
 
@@ -129,9 +130,9 @@ def test_a_fedbuff_budget_spent_before_the_first_version_still_reports_the_initi
 
 def test_flower_style_start_runs_the_asynchronous_loop():
     """FedBuff.start keeps Flower's Strategy.start contract: N server updates, evaluate_fn each."""
-    from app.config import to_client_record
-    from app.data import data_spec, load_splits, spec_to_record
-    from app.models import build_model
+    from app.protocol import to_client_record
+    from app.task.data import data_spec, load_splits, spec_to_record
+    from app.task.models import build_model
 
     cfg, _ = load_config("train.epochs=1")
     spec = data_spec(*load_splits(cfg.dataset, cfg.seed))
@@ -195,7 +196,7 @@ def test_straggler_factors_are_seeded_and_at_least_one():
 
 def test_slow_down_sleeps_in_proportion_to_compute_time(monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr("app.stragglers.time.sleep", slept.append)
+    monkeypatch.setattr("app.simulation.stragglers.time.sleep", slept.append)
     record = client_record(StragglersConfig(name="fixed", factors=[4.0]), 2, seed=0)
     assert slow_down(record, 0, compute_s=0.5, seed=3) == pytest.approx(1.5) and slept == [pytest.approx(1.5)]
     assert slow_down(record, 1, compute_s=0.5, seed=3) == 0.0  # full speed
@@ -234,7 +235,7 @@ def test_robust_buffer_keeps_a_sign_flipping_node_out_of_an_asynchronous_run(tmp
 
 
 def test_compare_runs_overlays_evaluated_rows_against_wall_time(tmp_path):
-    from app.compare_runs import main, read_curve
+    from app.tools.compare_runs import main, read_curve
 
     for name, rows in {
         "sync": [{"round": 1, "accuracy": 0.5, "wall_time_s": 2.0}, {"round": 2, "accuracy": 0.8, "wall_time_s": 4.0}],

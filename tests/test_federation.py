@@ -11,10 +11,11 @@ from conftest import context_for
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from app.client_app import app as client_app
-from app.config import load_config, to_client_record
-from app.data import DataSpec, spec_to_record
-from app.federated_run import run_federation
-from app.local_grid import InProcessGrid
+from app.config.compose import load_config
+from app.protocol import to_client_record
+from app.run.federation import run_federation
+from app.simulation.local_grid import InProcessGrid
+from app.task.data import DataSpec, spec_to_record
 
 FAST = "federation.rounds={rounds} train.epochs=2 seed=3"
 
@@ -99,7 +100,7 @@ def test_a_node_that_vanishes_mid_round_is_named_in_the_rejections(tmp_path):
 
 
 def test_resume_past_the_last_round_is_refused(tmp_path):
-    from app.config import ConfigError
+    from app.config.schema import ConfigError
 
     _run(tmp_path, FAST.format(rounds=1) + " name=r")
     with pytest.raises(ConfigError, match="already reached federation.rounds=1"):
@@ -163,7 +164,7 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
     np.savez(path, x=rng.integers(0, 255, (50, 8, 8), dtype=np.uint8), y=rng.integers(0, 10, 50))
     cfg, _ = load_config("train.epochs=1")
     spec = DataSpec(1, 8, 8, 10)
-    from app.models import build_model
+    from app.task.models import build_model
 
     arrays = ArrayRecord(build_model(cfg.model, spec).state_dict())
     ins = Message(
@@ -185,7 +186,7 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
 
 
 def test_too_few_nodes_fails_clearly_before_any_results(tmp_path):
-    from app.config import ConfigError
+    from app.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"only 2 node\(s\) connected after 1 s"):
         _run(tmp_path, "federation.min_available_nodes=3 federation.node_wait_timeout_s=1", nodes=2)
@@ -211,7 +212,7 @@ def test_too_few_nodes_fails_clearly_before_any_results(tmp_path):
     ],
 )
 def test_impossible_cohorts_are_refused_before_training(tmp_path, overrides, words):
-    from app.config import ConfigError
+    from app.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as err:
         _run(tmp_path, overrides, nodes=5)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import free_ports
 
-from app.processes import stop_processes
+from app.tools.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300

@@ -18,21 +18,10 @@ from opacus.accountants import RDPAccountant
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 
-from app.checkpoint import load_checkpoint
 from app.client_app import app as client_app
-from app.config import (
-    Config,
-    ConfigError,
-    DatasetConfig,
-    ModelConfig,
-    PrivacyConfig,
-    TrainConfig,
-    load_config,
-    to_client_record,
-)
-from app.data import DataSpec, ImageTensors, load_splits, materialize, spec_to_record
-from app.federated_run import FederatedRun, run_federation
-from app.local_dp import (
+from app.config.compose import load_config
+from app.config.schema import Config, ConfigError, DatasetConfig, ModelConfig, PrivacyConfig, TrainConfig
+from app.privacy.local_dp import (
     ACCOUNTANT_STATE,
     EPSILON_TOLERANCE,
     PRIOR_KEY,
@@ -46,9 +35,13 @@ from app.local_dp import (
     private_precision,
     train_private,
 )
-from app.local_grid import InProcessGrid
-from app.models import build_model
-from app.training import Precision, resolve_precision, train
+from app.protocol import to_client_record
+from app.run.checkpoint import load_checkpoint
+from app.run.federation import FederatedRun, run_federation
+from app.simulation.local_grid import InProcessGrid
+from app.task.data import DataSpec, ImageTensors, load_splits, materialize, spec_to_record
+from app.task.models import build_model
+from app.task.training import Precision, resolve_precision, train
 
 DIGITS = DataSpec(1, 8, 8, 10)
 LOG = "flwr.fedgpu.app.local_dp"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import free_ports, load_script
 
-from app.processes import stop_processes
+from app.tools.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "register_nodes.py"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.report import ReportError, find_runs, main, write_report
+from app.tools.report import ReportError, find_runs, main, write_report
 
 TARGET = 0.9
 
@@ -28,7 +28,7 @@ def _job(
     rejected: int = 0,
     fedbuff: dict | None = None,
 ) -> Path:
-    """A sweep job directory as app.sweep and the ServerApp leave it."""
+    """A sweep job directory as app.tools.sweep and the ServerApp leave it."""
     job_dir = root / ",".join(sorted(overrides))
     job_dir.mkdir(parents=True)
     (job_dir / "job.json").write_text(
@@ -123,9 +123,9 @@ def test_report_on_real_runs_and_on_a_single_run_dir(tmp_path: Path) -> None:
     """Runs written by the real ServerApp loop (in-process grid); no job.json, so the
     configuration comes from config.yaml: two seeds of one config pool into one row."""
     from app.client_app import app as client_app
-    from app.config import load_config
-    from app.federated_run import run_federation
-    from app.local_grid import InProcessGrid
+    from app.config.compose import load_config
+    from app.run.federation import run_federation
+    from app.simulation.local_grid import InProcessGrid
 
     root = tmp_path / "runs"
     summaries = []

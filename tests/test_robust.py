@@ -10,7 +10,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
-from app.local_grid import InProcessGrid
+from app.simulation.local_grid import InProcessGrid
 from strategies.coordinatewise import CoordinateMedian, TrimmedMean
 from strategies.krum import Krum, MultiKrum
 from strategies.robust_ops import coordinatewise, krum_scores, squared_distances, update_gram

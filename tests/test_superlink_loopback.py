@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 from conftest import free_ports, load_script
 
-from app.processes import kill_matching, stop_processes
+from app.tools.processes import kill_matching, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 credentials = load_script("credentials")
@@ -463,7 +463,7 @@ def _site_files(out: Path, sizes: list[int]) -> list[Path]:
 
 
 def _train_size(n: int, val_fraction: float = 0.1) -> int:
-    """Examples a node trains on after holding out its local validation split (app/data.py)."""
+    """Examples a node trains on after holding out its local validation split (app/task/data.py)."""
     return n - math.ceil(n * val_fraction)
 
 
@@ -563,9 +563,9 @@ def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_
     assert summary["privacy"]["releases"] == 4
 
     from app.client_app import app as client_app
-    from app.config import load_config
-    from app.federated_run import run_federation
-    from app.local_grid import InProcessGrid
+    from app.config.compose import load_config
+    from app.run.federation import run_federation
+    from app.simulation.local_grid import InProcessGrid
 
     cfg, raw = load_config(overrides.replace("resume=auto", ""))
     whole = run_federation(InProcessGrid(client_app, 3), cfg, raw, tmp_path / "uninterrupted")

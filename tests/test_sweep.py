@@ -1,4 +1,4 @@
-"""Hydra multirun sweeps (app/sweep.py): job directories, failure records, skipping, and
+"""Hydra multirun sweeps (app/tools/sweep.py): job directories, failure records, skipping, and
 (slow) whole sweeps through `flwr run` with a private FLWR_HOME per job."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError, compose_config
-from app.processes import processes_under
-from app.report import write_report
-from app.sweep import APP_DIR, app_overrides, federation_config, job_subdir, read_job, run_job, sweep_dir
+from app.config.compose import compose_config
+from app.config.schema import ConfigError
+from app.tools.processes import processes_under
+from app.tools.report import write_report
+from app.tools.sweep import APP_DIR, app_overrides, federation_config, job_subdir, read_job, run_job, sweep_dir
 
 # Tiny federations: 3 nodes, 2 rounds of 1 epoch (~20 s each under `flwr run` on 2 cores).
 TINY = ["federation.rounds=2", "train.epochs=1", "simulation.num_supernodes=3"]

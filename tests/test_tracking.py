@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from app.client_app import app as client_app
-from app.config import load_config
-from app.federated_run import run_federation
-from app.local_grid import InProcessGrid
-from app.tracking import Trackers, scalars
+from app.config.compose import load_config
+from app.run.federation import run_federation
+from app.run.tracking import Trackers, scalars
+from app.simulation.local_grid import InProcessGrid
 
 
 def _run(root: Path, overrides: str) -> tuple[dict, list[dict]]:

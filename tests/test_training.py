@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from app.config import ConfigError, DatasetConfig, ModelConfig, TrainConfig
-from app.data import DataSpec, load_splits, materialize
-from app.models import build_model
-from app.telemetry import GpuTelemetry
-from app.training import evaluate, prepare_model, resolve_device, resolve_precision, train
+from app.config.schema import ConfigError, DatasetConfig, ModelConfig, TrainConfig
+from app.task.data import DataSpec, load_splits, materialize
+from app.task.models import build_model
+from app.task.telemetry import GpuTelemetry
+from app.task.training import evaluate, prepare_model, resolve_device, resolve_precision, train
 
 DIGITS = DataSpec(channels=1, height=8, width=8, num_classes=10)
 
@@ -105,7 +105,7 @@ def test_telemetry_never_crashes_when_nvml_fails(monkeypatch):
     def broken(_device):
         raise RuntimeError("NVML Shared Library Not Found")
 
-    monkeypatch.setattr("app.telemetry._nvml_handle", broken)
+    monkeypatch.setattr("app.task.telemetry._nvml_handle", broken)
     with GpuTelemetry(torch.device("cuda")) as telemetry:
         pass
     assert telemetry.metrics() == {"gpu-telemetry": 0.0}
@@ -124,7 +124,7 @@ def test_telemetry_summarises_samples(monkeypatch):
         self.samples.temp_c.append(50 + v)
         self.samples.power_w.append(200.0)
 
-    monkeypatch.setattr("app.telemetry._nvml_handle", lambda _d: types.SimpleNamespace())
+    monkeypatch.setattr("app.task.telemetry._nvml_handle", lambda _d: types.SimpleNamespace())
     monkeypatch.setattr(GpuTelemetry, "_sample", fake_sample)
     with GpuTelemetry(torch.device("cuda"), interval_s=0.01) as telemetry:
         import time

@@ -59,9 +59,9 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from app.config import ConfigError, PrivacyConfig, TrainConfig
-from app.data import ImageTensors
-from app.training import (
+from app.config.schema import ConfigError, PrivacyConfig, TrainConfig
+from app.task.data import ImageTensors
+from app.task.training import (
     Precision,
     TrainStats,
     autocast,

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from app.config import HUB_DATASETS, ConfigError, DatasetConfig, PartitionConfig
+from app.config.schema import HUB_DATASETS, ConfigError, DatasetConfig, PartitionConfig
 
 
 class DatasetUnavailableError(RuntimeError):

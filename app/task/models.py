@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from app.config import ConfigError, ModelConfig
-from app.data import DataSpec
+from app.config.schema import ConfigError, ModelConfig
+from app.task.data import DataSpec
 
 
 class SmallCNN(nn.Module):

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.config import ConfigError, TrainConfig
-from app.data import ImageTensors
+from app.config.schema import ConfigError, TrainConfig
+from app.task.data import ImageTensors
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

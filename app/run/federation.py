@@ -23,10 +23,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from app.attacks import malicious_partitions
-from app.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.config import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig, to_client_record
-from app.data import (
+from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
+from app.protocol import to_client_record
+from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from app.run.results import RunRecorder, new_run_dir
+from app.simulation.attacks import malicious_partitions
+from app.simulation.stragglers import client_record, straggler_factors
+from app.task.data import (
     check_partitioning,
     data_spec,
     load_splits,
@@ -35,10 +38,8 @@ from app.data import (
     spec_to_record,
     validation_size,
 )
-from app.models import build_model
-from app.results import RunRecorder, new_run_dir
-from app.stragglers import client_record, straggler_factors
-from app.training import evaluate, resolve_device, resolve_precision
+from app.task.models import build_model
+from app.task.training import evaluate, resolve_device, resolve_precision
 from strategies.central_dp import (
     AdaptiveClip,
     CentralDP,
@@ -57,7 +58,7 @@ from strategies.robust import RobustStrategy
 from strategies.staleness import staleness_fn
 
 if TYPE_CHECKING:
-    from app.local_dp import HistoryLedger
+    from app.privacy.local_dp import HistoryLedger
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -276,7 +277,7 @@ class FederatedRun:
         random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
         self.model = build_model(cfg.model, spec)
         if cfg.privacy.name == "local":  # the clients train the Opacus-compatible model: same keys here
-            from app.local_dp import make_private_compatible
+            from app.privacy.local_dp import make_private_compatible
 
             self.model = make_private_compatible(self.model)
         self.arrays = ArrayRecord(self.model.state_dict())
@@ -348,12 +349,12 @@ class FederatedRun:
         )
         self.stop_reason = "rounds"
         self.dp: CentralDP | None = getattr(self.strategy, "dp", None)
-        # Local DP: every client's accountant history under the server's name for it (app/local_dp.py);
+        # Local DP: every client's accountant history under the server's name for it (app/privacy/local_dp.py);
         # each training message carries only the history that can be its node's own.
         self.local_dp: HistoryLedger | None = None
         self.dp_rejections: list[dict[str, Any]] = []  # refused histories since the last row
         if cfg.privacy.name == "local":
-            from app.local_dp import HistoryLedger
+            from app.privacy.local_dp import HistoryLedger
 
             self.local_dp = HistoryLedger(cfg.privacy.delta, run_state.get("local_dp"))
             self.strategy.node_config = self.local_dp_prior
@@ -428,7 +429,7 @@ class FederatedRun:
         (`dp_history_rejected`); the one on record stays."""
         if self.local_dp is None:
             return
-        from app.local_dp import MalformedHistory, history_key
+        from app.privacy.local_dp import MalformedHistory, history_key
 
         for node, metrics in client_metrics:
             try:

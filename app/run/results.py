@@ -12,8 +12,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from app.config import ConfigError, check_dir_name
-from app.tracking import Trackers
+from app.config.schema import ConfigError
+from app.config.validate import check_dir_name
+from app.run.tracking import Trackers
 
 DEFAULT_OUTPUT_ROOT = Path.home() / "fedgpu-runs"
 

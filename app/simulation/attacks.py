@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.config import AttackConfig
+from app.config.schema import AttackConfig
 
 MODEL_POISONING = ("sign_flip", "scale", "gaussian", "inflate_weight")
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from app.config import StragglersConfig
+from app.config.schema import StragglersConfig
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

@@ -1,0 +1,1 @@
+"""Configuration: schema (no Hydra), composition of `conf/` (Hydra), validation."""

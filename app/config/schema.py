@@ -1,0 +1,188 @@
+"""The config schema: one dataclass per section of `conf/`, and the allowed values.
+
+OmegaConf checks types against these dataclasses (`app.config.compose`), `app.config.validate`
+checks ranges. Nothing here imports Hydra: the ClientApp rebuilds its sections from a
+message (`app.protocol`) with these classes alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STRATEGIES = ("fedavg", "krum", "multikrum", "median", "trimmed_mean", "fedbuff")
+ROBUST_RULES = ("krum", "multikrum", "median", "trimmed_mean")
+BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
+STRAGGLERS = ("none", "fixed", "lognormal")
+PRIVACY = ("none", "central", "central_adaptive", "local")
+ROBUST_POLICIES = ("skip", "fallback")
+ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
+DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
+HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist")
+PARTITIONS = ("iid", "dirichlet")
+MODELS = ("cnn", "resnet18")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+AMP_MODES = ("auto", "fp16", "bf16", "off")
+
+
+class ConfigError(ValueError):
+    """A config value is unusable; the message names the key, the value and what is allowed."""
+
+
+# (Optional[...] rather than `X | None`: OmegaConf 2.3 reads only the former.)
+# Sections hash by value so clients can cache their data per setting.
+@dataclass(unsafe_hash=True)
+class StrategyConfig:
+    name: str = "fedavg"
+    # Byzantine-robust strategies (krum, multikrum, median, trimmed_mean):
+    num_byzantine: int = 0  # f, the Byzantine clients to tolerate
+    num_selected: int = 1  # m, Multi-Krum's selected updates
+    trim_ratio: float = 0.1  # trimmed mean: fraction trimmed from each end
+    on_too_few: str = "skip"  # skip | fallback (to the median) when too few valid replies
+    # FedBuff (asynchronous):
+    buffer_size: int = 10  # K: updates per server step
+    concurrency: int = 0  # nodes training at once; 0 = every connected node
+    max_staleness: int = 10  # updates older than this many versions are discarded
+    staleness_fn: str = "polynomial"  # constant | polynomial | hinge
+    staleness_a: float = 0.5
+    staleness_b: float = 4.0  # hinge: no discount up to b versions
+    server_lr: float = 0.5  # η
+    server_momentum: float = 0.0  # β
+    buffer_aggregator: str = "mean"  # mean | krum | multikrum | median | trimmed_mean
+    eval_every: int = 1  # central evaluation every N versions (and always at the end)
+
+
+@dataclass(unsafe_hash=True)
+class DatasetConfig:
+    name: str = "digits"
+    path: str | None = None
+    hf_name: str | None = None
+    image_key: str = "image"
+    label_key: str = "label"
+    test_fraction: float = 0.2
+    val_fraction: float = 0.1
+
+
+@dataclass(unsafe_hash=True)
+class PartitionConfig:
+    name: str = "iid"
+    alpha: float = 0.5
+    min_partition_size: int = 10
+
+
+@dataclass(unsafe_hash=True)
+class ModelConfig:
+    name: str = "cnn"
+    width: int = 32
+
+
+@dataclass(unsafe_hash=True)
+class TrainConfig:
+    epochs: int = 3
+    batch_size: int = 32
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    amp: str = "auto"
+    grad_clip: float = 0.0
+    device: str = "auto"
+    telemetry_interval_s: float = 0.2
+
+
+@dataclass(unsafe_hash=True)
+class AttackConfig:
+    name: str = "none"
+    num_malicious: int = 0
+    scale: float = 1.0
+    claimed_examples: float = 1e9  # inflate_weight: the num-examples a malicious node reports
+
+
+@dataclass(unsafe_hash=True)
+class PrivacyConfig:
+    name: str = "none"  # none | central | central_adaptive | local
+    noise_multiplier: float = 1.0  # Gaussian noise std / clip (central: per release; local: per step)
+    clip_norm: float = 1.0  # central: L2 bound of each client update; local: per-example gradient bound
+    delta: float = 1e-5
+    max_epsilon: float = 0.0  # central: stop before a release would exceed it; 0 = no budget
+    poisson_sampling: bool = False  # central: sample each node with probability federation.fraction_train
+    # true: metrics.jsonl (and TensorBoard, MLflow) also get the exact values outside every epsilon
+    # (cohorts, clipped fraction, clients' train/eval metrics); false leaves them out (README, privacy)
+    report_exact: bool = False
+    # central_adaptive (Andrew et al. 2021): the clip follows a quantile of update norms
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2  # geometric step of the clip norm per release
+    count_noise: float = 0.0  # std of the noise on the clipped count; 0 = expected cohort / 20
+    # local (DP-SGD in the ClientApp with Opacus)
+    target_epsilon: float = 0.0  # > 0: per-client epsilon over the planned local steps (sets the noise)
+
+
+@dataclass
+class StragglersConfig:
+    name: str = "none"
+    factors: list[float] = field(default_factory=list)  # fixed: slowdown of partition 0, 1, ... (rest 1.0)
+    sigma: float = 1.0  # lognormal: slowdown exp(sigma * (z - min z)), z ~ N(0, 1) per node, seeded
+    dropout: float = 0.0  # probability that a training task crashes part way
+
+
+@dataclass(unsafe_hash=True)
+class FederationConfig:
+    rounds: int = 10
+    fraction_train: float = 1.0
+    min_train_nodes: int = 2
+    fraction_evaluate: float = 0.0
+    min_evaluate_nodes: int = 2
+    min_available_nodes: int = 2
+    round_timeout_s: float = 600.0
+    message_ttl_s: float = 3600.0
+    node_wait_timeout_s: float = 600.0
+    max_wall_time_s: float = 0.0  # stop after this many seconds of training; 0 = no limit
+    target_accuracy: float = 0.0  # stop once central accuracy reaches this; 0 = never
+    max_examples_per_node: int = 100_000  # cap on a reply's claimed num-examples (its FedAvg weight)
+
+
+@dataclass(unsafe_hash=True)
+class SimulationConfig:
+    """Simulated federation size for `python -m app.sweep` (its --federation-config); the ServerApp ignores it."""
+
+    num_supernodes: int = 5
+    client_cpus: int = 1  # Ray CPUs per ClientApp (Flower 1.42 takes whole CPUs)
+    client_gpus: float = 0.0  # GPU share per ClientApp
+
+
+@dataclass(unsafe_hash=True)
+class TrackingConfig:
+    """Experiment trackers fed with every metrics.jsonl row (app/run/tracking.py)."""
+
+    tensorboard: bool = True
+    mlflow: bool = False
+    mlflow_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite in the results root
+    mlflow_experiment: str = "fedgpu"
+
+
+@dataclass(unsafe_hash=True)
+class SweepConfig:
+    """Where and how `python -m app.sweep` runs its jobs; the ServerApp ignores it."""
+
+    root: str = "~/fedgpu-runs/sweeps"
+    name: str = "default"
+    timeout_s: float = 3600.0  # per job; 0 = no limit
+
+
+@dataclass
+class Config:
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    seed: int = 42
+    name: str | None = None
+    resume: str | None = None
+    server_device: str = "auto"

@@ -1,0 +1,261 @@
+"""Range checks on a typed config, one function per section: a bad value fails before any
+work starts, with a message that names the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from app.config.schema import (
+    AMP_MODES,
+    ATTACKS,
+    BUFFER_AGGREGATORS,
+    DATASETS,
+    MODELS,
+    OPTIMIZERS,
+    PARTITIONS,
+    PRIVACY,
+    ROBUST_POLICIES,
+    STRAGGLERS,
+    STRATEGIES,
+    Config,
+    ConfigError,
+    StrategyConfig,
+)
+from strategies.staleness import STALENESS_FUNCTIONS
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# One directory name that stays under its root: not empty, no '/', '\\' or control character
+# (NUL included), not '.', '..' or hidden. '=' and ',' stay: a sweep job is named after its overrides.
+_DIR_NAME_RE = re.compile(r"[^./\\\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]*")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def _one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
+    _require(value in options, key, value, "allowed: " + ", ".join(options))
+
+
+def check_dir_name(key: str, value: str) -> None:
+    """A name that becomes a directory under a root (`name`, `sweep.name`) must be one safe
+    path component: '../x' or '/abs' would write outside the root."""
+    _require(
+        _DIR_NAME_RE.fullmatch(value) is not None,
+        key,
+        value,
+        "must be a single directory name under its root: not empty, no '/', '\\' or control "
+        "characters, not starting with '.'",
+    )
+
+
+def validate(cfg: Config) -> Config:
+    """Reject values that cannot work, before any training starts."""
+    s = cfg.strategy
+    _one_of("strategy.name", s.name, STRATEGIES)
+    _require(s.num_byzantine >= 0, "strategy.num_byzantine", s.num_byzantine, "must be >= 0")
+    _require(s.num_selected >= 1, "strategy.num_selected", s.num_selected, "must be >= 1")
+    if s.name == "krum":
+        _require(
+            s.num_selected == 1,
+            "strategy.num_selected",
+            s.num_selected,
+            "Krum selects 1; use strategy=multikrum for m > 1",
+        )
+    _require(
+        0.0 <= s.trim_ratio < 0.5,
+        "strategy.trim_ratio",
+        s.trim_ratio,
+        "must be in [0, 0.5): 0.5 or more trims everything",
+    )
+    _one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
+    _validate_fedbuff(s)
+    if s.name == "fedbuff":
+        _require(
+            cfg.federation.fraction_evaluate == 0,
+            "federation.fraction_evaluate",
+            cfg.federation.fraction_evaluate,
+            "strategy=fedbuff evaluates centrally every strategy.eval_every versions; set it to 0",
+        )
+
+    _validate_privacy(cfg)
+
+    g = cfg.stragglers
+    _one_of("stragglers.name", g.name, STRAGGLERS)
+    _require(all(x >= 1 for x in g.factors), "stragglers.factors", g.factors, "slowdowns must be >= 1 (1 = full speed)")
+    if g.name == "fixed":
+        _require(bool(g.factors), "stragglers.factors", g.factors, "stragglers=fixed needs a list, e.g. [5,5,5]")
+    _require(g.sigma >= 0, "stragglers.sigma", g.sigma, "must be >= 0")
+    _require(0 <= g.dropout < 1, "stragglers.dropout", g.dropout, "must be in [0, 1)")
+
+    a = cfg.attack
+    _one_of("attack.name", a.name, ATTACKS)
+    _require(a.num_malicious >= 0, "attack.num_malicious", a.num_malicious, "must be >= 0")
+    _require(a.scale > 0, "attack.scale", a.scale, "must be > 0")
+    _require(
+        0 < a.claimed_examples < float("inf"),
+        "attack.claimed_examples",
+        a.claimed_examples,
+        "must be a finite number > 0 (the server rejects any other count outright)",
+    )
+
+    d = cfg.dataset
+    _one_of("dataset.name", d.name, DATASETS)
+    if d.name == "npz":
+        _require(bool(d.path), "dataset.path", d.path, "dataset=npz needs dataset.path=/abs/path/data.npz")
+        _require(Path(d.path).is_file(), "dataset.path", d.path, "no such .npz file")
+    if d.name == "hf_disk":
+        _require(bool(d.path), "dataset.path", d.path, "dataset=hf_disk needs dataset.path=<save_to_disk dir>")
+        _require(Path(d.path).is_dir(), "dataset.path", d.path, "no such directory")
+    _require(0.0 < d.test_fraction < 1.0, "dataset.test_fraction", d.test_fraction, "must be in (0, 1)")
+    _require(0.0 <= d.val_fraction < 1.0, "dataset.val_fraction", d.val_fraction, "must be in [0, 1)")
+
+    p = cfg.partition
+    _one_of("partition.name", p.name, PARTITIONS)
+    _require(p.alpha > 0, "partition.alpha", p.alpha, "must be > 0 (smaller = more label skew)")
+    _require(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size, "must be >= 1")
+
+    _one_of("model.name", cfg.model.name, MODELS)
+    _require(cfg.model.width >= 1, "model.width", cfg.model.width, "must be >= 1")
+    if cfg.model.name == "resnet18":
+        _require(cfg.model.width == 64, "model.width", cfg.model.width, "model=resnet18 is 64 wide (torchvision)")
+
+    t = cfg.train
+    _require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
+    _require(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
+    _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _require(0.0 <= t.momentum < 1.0, "train.momentum", t.momentum, "must be in [0, 1)")
+    _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _one_of("train.amp", t.amp, AMP_MODES)
+    _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    _require(bool(_DEVICE_RE.match(t.device)), "train.device", t.device, "allowed: auto, cpu, cuda, cuda:N")
+    _require(t.telemetry_interval_s > 0, "train.telemetry_interval_s", t.telemetry_interval_s, "must be > 0")
+
+    f = cfg.federation
+    _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
+    _require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
+    _require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
+    _require(
+        0.0 <= f.fraction_evaluate <= 1.0, "federation.fraction_evaluate", f.fraction_evaluate, "must be in [0, 1]"
+    )
+    _require(f.min_evaluate_nodes >= 0, "federation.min_evaluate_nodes", f.min_evaluate_nodes, "must be >= 0")
+    _require(
+        f.min_available_nodes >= f.min_train_nodes,
+        "federation.min_available_nodes",
+        f.min_available_nodes,
+        f"must be >= federation.min_train_nodes ({f.min_train_nodes})",
+    )
+    _require(f.node_wait_timeout_s > 0, "federation.node_wait_timeout_s", f.node_wait_timeout_s, "must be > 0")
+    _require(f.round_timeout_s > 0, "federation.round_timeout_s", f.round_timeout_s, "must be > 0")
+    _require(
+        f.message_ttl_s >= f.round_timeout_s,
+        "federation.message_ttl_s",
+        f.message_ttl_s,
+        f"must be >= federation.round_timeout_s ({f.round_timeout_s}) or messages expire mid-round",
+    )
+
+    _require(f.max_wall_time_s >= 0, "federation.max_wall_time_s", f.max_wall_time_s, "must be >= 0 (0 = no limit)")
+    _require(
+        0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
+    )
+    _require(
+        f.max_examples_per_node >= 1,
+        "federation.max_examples_per_node",
+        f.max_examples_per_node,
+        "must be an integer >= 1 (the most examples one node's reply may count for)",
+    )
+
+    m = cfg.simulation
+    _require(m.num_supernodes >= 1, "simulation.num_supernodes", m.num_supernodes, "must be >= 1")
+    _require(m.client_cpus >= 1, "simulation.client_cpus", m.client_cpus, "must be >= 1 (whole CPUs)")
+    _require(m.client_gpus >= 0, "simulation.client_gpus", m.client_gpus, "must be >= 0 (0 = CPU only)")
+    _require(bool(cfg.tracking.mlflow_experiment), "tracking.mlflow_experiment", "", "must not be empty")
+    check_dir_name("sweep.name", cfg.sweep.name)
+    _require(cfg.sweep.timeout_s >= 0, "sweep.timeout_s", cfg.sweep.timeout_s, "must be >= 0 (0 = no limit)")
+
+    _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
+    if cfg.name is not None:
+        check_dir_name("name", cfg.name)
+    if cfg.resume == "auto":
+        _require(
+            bool(cfg.name), "resume", cfg.resume, "auto needs a run name (name=...): it resumes <output-dir>/<name>"
+        )
+    elif cfg.resume is not None:
+        _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file (or use resume=auto)")
+    _require(
+        bool(_DEVICE_RE.match(cfg.server_device)),
+        "server_device",
+        cfg.server_device,
+        "allowed: auto, cpu, cuda, cuda:N",
+    )
+    return cfg
+
+
+def _validate_fedbuff(s: StrategyConfig) -> None:
+    _require(s.buffer_size >= 1, "strategy.buffer_size", s.buffer_size, "must be >= 1")
+    _require(s.concurrency >= 0, "strategy.concurrency", s.concurrency, "must be >= 0 (0 = every connected node)")
+    _require(s.max_staleness >= 0, "strategy.max_staleness", s.max_staleness, "must be >= 0")
+    _one_of("strategy.staleness_fn", s.staleness_fn, STALENESS_FUNCTIONS)
+    _require(s.staleness_a >= 0, "strategy.staleness_a", s.staleness_a, "must be >= 0 (< 0 favours stale updates)")
+    _require(s.staleness_b >= 0, "strategy.staleness_b", s.staleness_b, "must be >= 0")
+    _require(s.server_lr > 0, "strategy.server_lr", s.server_lr, "must be > 0")
+    _require(0 <= s.server_momentum < 1, "strategy.server_momentum", s.server_momentum, "must be in [0, 1)")
+    _one_of("strategy.buffer_aggregator", s.buffer_aggregator, BUFFER_AGGREGATORS)
+    _require(s.eval_every >= 1, "strategy.eval_every", s.eval_every, "must be >= 1")
+
+
+def _validate_privacy(cfg: Config) -> None:
+    p = cfg.privacy
+    _one_of("privacy.name", p.name, PRIVACY)
+    if p.name == "none":
+        return
+    _require(p.noise_multiplier >= 0, "privacy.noise_multiplier", p.noise_multiplier, "must be >= 0")
+    _require(p.clip_norm > 0, "privacy.clip_norm", p.clip_norm, "must be > 0")
+    _require(0 < p.delta < 1, "privacy.delta", p.delta, "must be in (0, 1)")
+    _require(p.max_epsilon >= 0, "privacy.max_epsilon", p.max_epsilon, "must be > 0, or 0 for no budget")
+    _require(0 < p.target_quantile < 1, "privacy.target_quantile", p.target_quantile, "must be in (0, 1)")
+    _require(p.clip_lr > 0, "privacy.clip_lr", p.clip_lr, "must be > 0")
+    _require(p.count_noise >= 0, "privacy.count_noise", p.count_noise, "must be >= 0 (0 = expected cohort / 20)")
+    _require(p.target_epsilon >= 0, "privacy.target_epsilon", p.target_epsilon, "must be > 0, or 0 to use the noise")
+    if p.name.startswith("central"):
+        s = cfg.strategy.name
+        aggregator = cfg.strategy.buffer_aggregator if s == "fedbuff" else s
+        _require(
+            aggregator in ("fedavg", "mean"),
+            "privacy.name",
+            p.name,
+            f"central DP has no standard sensitivity bound for {aggregator} (a robust rule's output can move by "
+            "more than one clipped update); use strategy=fedavg or fedbuff with buffer_aggregator=mean, or privacy=local",
+        )
+        _require(p.noise_multiplier > 0, "privacy.noise_multiplier", p.noise_multiplier, "central DP needs noise > 0")
+        _require(
+            not (s == "fedbuff" and p.poisson_sampling),
+            "privacy.poisson_sampling",
+            True,
+            "FedBuff releases are accounted with q = 1 (its cohort is whoever answers first)",
+        )
+        st = cfg.strategy
+        _require(
+            not (s == "fedbuff" and 0 < st.concurrency < st.buffer_size),
+            "strategy.buffer_size",
+            st.buffer_size,
+            f"a central-DP buffer takes one update per node, but strategy.concurrency={st.concurrency} train at once",
+        )
+    if p.name == "local":
+        _require(
+            not (cfg.strategy.name == "fedbuff" and p.target_epsilon > 0),
+            "privacy.target_epsilon",
+            p.target_epsilon,
+            "plans each client's noise over federation.rounds tasks, but a FedBuff node may train more often; "
+            "with strategy=fedbuff set privacy.noise_multiplier instead (epsilon is still reported per client)",
+        )
+        _require(
+            p.noise_multiplier > 0 or p.target_epsilon > 0,
+            "privacy.noise_multiplier",
+            p.noise_multiplier,
+            "local DP-SGD needs noise > 0 or privacy.target_epsilon > 0",
+        )

@@ -1,0 +1,1 @@
+"""Local differential privacy: DP-SGD in the ClientApp and the accountant histories the server keeps."""
