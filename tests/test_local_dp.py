@@ -44,7 +44,7 @@ from app.task.models import build_model
 from app.task.training import Precision, resolve_precision, train
 
 DIGITS = DataSpec(1, 8, 8, 10)
-LOG = "flwr.fedgpu.app.local_dp"
+LOG = "flwr.fedgpu.app.privacy.local_dp"
 CPU = resolve_precision("off", torch.device("cpu"))
 
 

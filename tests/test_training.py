@@ -38,7 +38,7 @@ def test_training_on_cpu_lowers_the_loss(digits, amp):
 
 
 def test_fp16_without_cuda_maps_to_bf16_with_a_log_line(caplog):
-    with caplog.at_level(logging.WARNING, logger="flwr.fedgpu.app.training"):
+    with caplog.at_level(logging.WARNING, logger="flwr.fedgpu.app.task.training"):
         precision = resolve_precision("fp16", torch.device("cpu"))
     assert precision.amp == "bf16" and precision.dtype == torch.bfloat16
     assert "train.amp=fp16 needs CUDA" in caplog.text

@@ -4,7 +4,7 @@ The guarantee is sample-level and per client: one example of one client's data. 
 step Poisson-samples that client's examples with rate q = batch_size / n (Opacus's
 `UniformWithReplacementSampler`, the sampler inside `DPDataLoader`), clips each example's
 gradient to `privacy.clip_norm` and adds N(0, (σ · clip_norm)²) noise (`DPOptimizer`).
-Batches are index gathers on the device, as in `app.training`, rather than a DataLoader
+Batches are index gathers on the device, as in `app.task.training`, rather than a DataLoader
 that collates example by example and copies every batch to the device. n itself (and so
 q, the step count and `num-examples`) is public, as in Opacus and standard DP-SGD.
 
