@@ -98,7 +98,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     if settings.privacy.name == "local":
-        from app.privacy.local_dp import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
+        from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
@@ -127,7 +127,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if settings.privacy.name == "local":
-            from app.privacy.local_dp import history_key, train_private
+            from app.privacy.accounting import history_key
+            from app.privacy.dp_sgd import train_private
 
             stats, dp_metrics = train_private(
                 job.model,

@@ -59,3 +59,10 @@ def to_client_record(cfg: Config | ClientSettings) -> dict[str, Any]:
             if value is not None:
                 flat[f"{section}.{key}"] = value
     return flat
+
+
+# --- local DP (app.privacy): each client's accountant history crosses the wire both ways ----------
+
+PRIOR_KEY = "dp-prior-history"  # message config: JSON {history key: [[σ, q, steps], ...]} (HistoryLedger.prior)
+HISTORY_METRICS = ("dp-history-sigma", "dp-history-q", "dp-history-steps")  # reply: the merged history
+ROUNDS_KEY = "federation.rounds"  # message config: the rounds the server plans (needed by privacy.target_epsilon)

@@ -4,7 +4,7 @@ What it measures
     Replies: `--clients` (default 20) real Flower reply Messages, each with an
     ArrayRecord of Arrays and a MetricRecord holding `num-examples`, built as a
     ServerApp receives them (`Message(content, reply_to=instruction)`, cf.
-    tests/conftest.py::make_reply). The arrays have the shapes and dtypes of
+    app/simulation/replies.py::make_reply). The arrays have the shapes and dtypes of
     ResNet-18's state_dict (`app.task.models.build_model`, width 64, 3x32x32 inputs, 10
     classes: 122 arrays, 11.18 M values, 44.7 MB, including the int64
     `num_batches_tracked` buffers). The global model is one random state; each client
@@ -100,13 +100,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, Message  # noqa: E402
 from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum  # noqa: E402
 from flwr.serverapp.strategy.multikrum import select_multikrum  # noqa: E402
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords  # noqa: E402
 
 from app.config.schema import ModelConfig  # noqa: E402
 from app.simulation.local_grid import act_as_server  # noqa: E402
+from app.simulation.replies import make_reply  # noqa: E402
 from app.task.data import DataSpec  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
@@ -155,19 +156,6 @@ def model_layout() -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     return {k: (tuple(t.shape), t.numpy().dtype) for k, t in state.items()}
 
 
-def make_reply(node_id: int, arrays: dict[str, np.ndarray], num_examples: int) -> Message:
-    """A train reply as it arrives at the server from node `node_id` (cf. tests/conftest.py)."""
-    ins = Message(RecordDict(), dst_node_id=node_id, message_type="train")
-    ins.metadata.__dict__["_message_id"] = f"m{node_id}"
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-            "metrics": MetricRecord({"num-examples": num_examples, "train_loss": 1.0 / node_id}),
-        }
-    )
-    return Message(content, reply_to=ins)
-
-
 def build_replies(n: int, seed: int = 0) -> tuple[ArrayRecord, list[Message], dict[str, Any]]:
     """The global model's ArrayRecord and n client replies (deterministic for a seed)."""
     layout = model_layout()
@@ -196,7 +184,7 @@ def build_replies(n: int, seed: int = 0) -> tuple[ArrayRecord, list[Message], di
                 arrays[key] = upd
             else:
                 arrays[key] = np.asarray(g + 50, dtype=g.dtype)
-        replies.append(make_reply(i + 1, arrays, int(weights[i])))
+        replies.append(make_reply(i + 1, arrays, {"num-examples": int(weights[i]), "train_loss": 1.0 / (i + 1)}))
         del arrays
     model_bytes = sum(v.nbytes for v in glob.values())
     meta = {

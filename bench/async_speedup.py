@@ -32,10 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import cpu_model  # noqa: E402
 
-from app.client_app import app as client_app  # noqa: E402
-from app.config.compose import load_config  # noqa: E402
-from app.run.federation import run_federation  # noqa: E402
-from app.simulation.local_grid import InProcessGrid  # noqa: E402
+from app.simulation.local_grid import run_in_process  # noqa: E402
 from app.tools.compare_runs import draw_curves, read_curve  # noqa: E402
 
 SETTINGS = {"3 nodes 5x slower": "stragglers=fixed", "lognormal sigma=1": "stragglers=lognormal stragglers.sigma=1.0"}
@@ -43,12 +40,8 @@ FEDBUFF = "strategy=fedbuff strategy.eval_every=2 federation.rounds=100000"
 
 
 def run(overrides: str, root: Path, nodes: int) -> dict:
-    cfg, raw = load_config(overrides)
-    grid = InProcessGrid(client_app, nodes, workers=nodes)
-    try:
-        return run_federation(grid, cfg, raw, root)
-    finally:
-        grid.close()
+    """One run's summary; every node trains in its own thread."""
+    return run_in_process(overrides, root, nodes=nodes, workers=nodes)[0]
 
 
 def time_to(target: float, run_dir: str) -> float | None:

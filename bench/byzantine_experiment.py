@@ -42,20 +42,16 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
     strategy, attack, rounds, nodes, seed, out_root = job
     import torch
 
-    from app.client_app import app as client_app
-    from app.config.compose import load_config
-    from app.run.federation import run_federation
     from app.run.results import read_rows
-    from app.simulation.local_grid import InProcessGrid
+    from app.simulation.local_grid import run_in_process
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after the imports: flwr sets it on import
 
     attack_overrides = f"attack={attack}" + ("" if attack == "none" else " attack.num_malicious=2")
     overrides = f"{STRATEGIES[strategy]} {attack_overrides} federation.rounds={rounds} seed={seed} name={strategy}-{attack}-{seed}"
-    cfg, raw = load_config(overrides)
     started = time.time()
-    summary = run_federation(InProcessGrid(client_app, nodes), cfg, raw, Path(out_root))
+    summary, _ = run_in_process(overrides, out_root, nodes=nodes)
     curve = [row["accuracy"] for row in read_rows(Path(summary["run_dir"]))]
     return {
         "strategy": strategy,

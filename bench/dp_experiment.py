@@ -34,11 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from app.client_app import app as client_app  # noqa: E402
-from app.config.compose import load_config  # noqa: E402
-from app.run.federation import run_federation  # noqa: E402
 from app.run.results import read_rows  # noqa: E402
-from app.simulation.local_grid import InProcessGrid  # noqa: E402
+from app.simulation.local_grid import run_in_process  # noqa: E402
 
 CENTRAL = "model.width=16 federation.rounds=30"  # privacy=central* clips at 1.0
 GROUPS = {
@@ -73,9 +70,8 @@ GROUPS = {
 
 
 def run(label: str, overrides: str, nodes: int, seed: int, root: Path) -> dict:
-    cfg, raw = load_config(f"{overrides} seed={seed}")
     started = time.time()
-    summary = run_federation(InProcessGrid(client_app, nodes), cfg, raw, root)
+    summary, _ = run_in_process(f"{overrides} seed={seed}", root, nodes=nodes)
     privacy = summary["privacy"]
     epsilon = privacy.get("epsilon", privacy.get("client_epsilon_max"))
     curve = [row["accuracy"] for row in read_rows(Path(summary["run_dir"]))]

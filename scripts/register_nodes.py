@@ -20,7 +20,6 @@ is needed here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the app, also fr
 
 from credentials import write_flwr_config  # noqa: E402
 
-from app.tools.processes import flwr_cli  # noqa: E402
+from app.tools.processes import flwr_cli, parse_flwr_json  # noqa: E402
 
 CONNECTION = "register-nodes"  # the entry's name in the temporary FLWR_HOME (--address)
 ALREADY_REGISTERED = "already in use"  # Flower 1.42: "[code: 23] Public key already in use."
@@ -64,12 +63,10 @@ def _run_json(args: Sequence[str], env: dict[str, str]) -> dict:
         )
     except subprocess.TimeoutExpired:
         return {"success": False, "error-message": f"`flwr {' '.join(args)}` gave no answer in {CLI_TIMEOUT_S:.0f} s"}
-    text = proc.stdout
-    if "{" in text:
-        try:
-            return json.loads(text[text.index("{") :])
-        except json.JSONDecodeError:
-            pass
+    try:
+        return parse_flwr_json(proc.stdout)
+    except ValueError:  # no JSON, or not valid JSON
+        pass
     output = "\n".join(part.strip() for part in (proc.stdout, proc.stderr) if part.strip())
     return {"success": False, "error-message": f"exit code {proc.returncode}: {output or '(no output)'}"}
 

@@ -59,8 +59,10 @@ from opacus.accountants import RDPAccountant
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
 from strategies.opacus_logging import remove_opacus_root_handler
-from strategies.replies import Screened
+from strategies.replies import Screened, WeightCap
+from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, float_keys
+from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -295,12 +297,53 @@ class DPFedAvg(FedAvg):
     (and sensitivity 2C when that sample is smaller than the population). A round whose
     cohort sent no valid update still releases (noise only): skipping it would reveal
     that the cohort was empty.
+
+    DP-FedAvg [McMahan et al., 2018], with adaptive clipping [Andrew et al., 2021] when
+    `dp.adaptive` is set.
+
+    Parameters
+    ----------
+    dp : CentralDP
+        The mechanism: clip norm, noise multiplier, δ, budget and accountant. Its
+        `sample_rate` must be `fraction_train` with `poisson`, and its `sensitivity`
+        2 for a fixed-size sample smaller than the population (`cohort_sensitivity`).
+    poisson : bool (default: False)
+        Sample each node independently with probability `fraction_train` instead of
+        FedAvg's fixed-size sample.
+    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
+        Who trains and evaluates each round, as in `FedAvg`.
+    min_available_nodes, message_ttl_s, device, weight_cap
+        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
+        example counts, as in `FedAvg` (counts never weigh a release; the cap bounds
+        the training metrics' weights).
     """
 
     screen_finite = True  # NaN/Inf replies are rejected before clipping
 
-    def __init__(self, *, dp: CentralDP, poisson: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        dp: CentralDP,
+        poisson: bool = False,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        message_ttl_s: float = 3600.0,
+        device: torch.device | str = "cpu",
+        weight_cap: WeightCap | None = None,
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            min_train_nodes=min_train_nodes,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            message_ttl_s=message_ttl_s,
+            device=device,
+            weight_cap=weight_cap,
+        )
         if poisson and dp.sample_rate != self.fraction_train:
             raise ValueError(
                 f"Poisson sampling at {self.fraction_train} must be accounted with q = {self.fraction_train}"
@@ -373,10 +416,54 @@ class DPFedBuff(FedBuff):
     for nothing.) So K must not exceed the nodes that can train at once. The buffer is
     the first K distinct nodes to answer, a fixed-size subset: one more client can push
     another out, hence 2C.
+
+    FedBuff [Nguyen et al., 2022] with DP-FedAvg's Gaussian mechanism [McMahan et al.,
+    2018], and adaptive clipping [Andrew et al., 2021] when `dp.adaptive` is set.
+
+    Parameters
+    ----------
+    dp : CentralDP
+        The mechanism, with `sample_rate` 1 and `sensitivity` 2.
+    buffer_size, concurrency, max_staleness, staleness, staleness_name, server_lr, server_momentum
+        The buffer, the staleness bound and weights and the server step, as in
+        `FedBuff`; `buffer_size` must not exceed a nonzero `concurrency`.
+    buffer_rule : None (default: None)
+        Must stay None: central DP has no sensitivity bound for a robust rule.
+    message_ttl_s, poll_interval_s, deadline_grace_s, device
+        Task lifetime, polling and aggregation device, as in `FedBuff`.
     """
 
-    def __init__(self, *, dp: CentralDP, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        dp: CentralDP,
+        buffer_size: int = 10,
+        concurrency: int = 0,
+        max_staleness: int = 10,
+        staleness: StalenessFn,
+        staleness_name: str = "polynomial",
+        server_lr: float = 0.5,
+        server_momentum: float = 0.0,
+        buffer_rule: RobustRule | None = None,
+        message_ttl_s: float = 600.0,
+        poll_interval_s: float = 0.02,
+        deadline_grace_s: float = 5.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(
+            buffer_size=buffer_size,
+            concurrency=concurrency,
+            max_staleness=max_staleness,
+            staleness=staleness,
+            staleness_name=staleness_name,
+            server_lr=server_lr,
+            server_momentum=server_momentum,
+            buffer_rule=buffer_rule,
+            message_ttl_s=message_ttl_s,
+            poll_interval_s=poll_interval_s,
+            deadline_grace_s=deadline_grace_s,
+            device=device,
+        )
         if self.buffer_rule is not None:
             raise ValueError("central DP has no sensitivity bound for a robust buffer rule")
         if dp.sample_rate != 1.0 or dp.sensitivity != 2.0:

@@ -77,6 +77,27 @@ class FedAvg(Strategy):
     and left out. Claimed counts are capped by `weight_cap` (None: only at
     `replies.MAX_WEIGHT`), in training and evaluation replies alike. A round with no
     valid reply returns no arrays, so the caller keeps the old model.
+
+    Parameters
+    ----------
+    fraction_train : float (default: 1.0)
+        Fraction of the connected nodes sampled for training; at least
+        `min_train_nodes` are sampled.
+    min_train_nodes : int (default: 2)
+        Minimum number of nodes sampled for training.
+    fraction_evaluate : float (default: 0.0)
+        Fraction of the connected nodes sampled for federated evaluation (0: none).
+    min_evaluate_nodes : int (default: 2)
+        Minimum number of nodes sampled for evaluation, when it is on.
+    min_available_nodes : int (default: 2)
+        Nodes to wait for before sampling.
+    message_ttl_s : float (default: 3600.0)
+        Lifetime of each message sent; a node that has not answered by then is gone.
+    device : torch.device | str (default: "cpu")
+        Where replies are aggregated.
+    weight_cap : WeightCap | None (default: None)
+        (node id, metrics, message type) -> the most examples a reply may count for;
+        None caps claims at `replies.MAX_WEIGHT` only.
     """
 
     def __init__(
@@ -105,6 +126,18 @@ class FedAvg(Strategy):
         self._global: TensorDict = {}  # the model sent this round: every reply's base
         self._sent_train: list[Message] = []  # this round's messages (to name a rejection's node)
         self._sent_evaluate: list[Message] = []
+
+    # How the server's run drives this strategy (app/run/federation.py): synchronous rounds.
+    asynchronous = False
+    unit = "round"
+
+    def robust_row(self) -> dict[str, Any] | None:
+        """The robust rule's picks in the last round, for metrics.jsonl (None: a plain mean)."""
+        return None
+
+    def run_summary(self) -> dict[str, Any]:
+        """Strategy-specific entries of summary.json."""
+        return {}
 
     def summary(self) -> None:
         log.info(

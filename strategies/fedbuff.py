@@ -49,7 +49,7 @@ from strategies.replies import (
     specs_of,
     weighted_metrics,
 )
-from strategies.robust import RobustStrategy
+from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
@@ -101,7 +101,38 @@ def server_step(
 
 
 class FedBuff(Strategy):
-    """Buffered asynchronous aggregation with a staleness bound (see the module docstring)."""
+    """FedBuff [Nguyen et al., 2022]: buffered asynchronous aggregation with a staleness
+    bound (see the module docstring).
+
+    Parameters
+    ----------
+    buffer_size : int (default: 10)
+        K, the updates buffered per server step.
+    concurrency : int (default: 0)
+        Nodes training at once; 0: every connected node.
+    max_staleness : int (default: 10)
+        Updates trained from a version older than this many versions are discarded.
+    staleness : StalenessFn
+        s(τ), the weight of an update τ versions stale (`strategies.staleness`).
+    staleness_name : str (default: "polynomial")
+        The name of `staleness`, for logs.
+    server_lr : float (default: 0.5)
+        η, the server's step size (> 0).
+    server_momentum : float (default: 0.0)
+        β, the server's momentum, in [0, 1); 0 is plain FedBuff.
+    buffer_rule : RobustRule | None (default: None)
+        A Byzantine-robust rule aggregating the buffer in place of the weighted mean;
+        each update is taken against its own base version, and a node's newer update
+        replaces its older one in the buffer. K must satisfy the rule's `too_few`.
+    message_ttl_s : float (default: 600.0)
+        Lifetime of each training message (one task may take this long).
+    poll_interval_s : float (default: 0.02)
+        Pause between polls for replies when none arrived.
+    deadline_grace_s : float (default: 5.0)
+        A task unanswered for message_ttl_s + this is given up locally.
+    device : torch.device | str (default: "cpu")
+        Where the buffer is aggregated.
+    """
 
     node_config: Callable[[int], dict[str, Any]] | None = None  # per-node training config, as FedAvg's
 
@@ -115,7 +146,7 @@ class FedBuff(Strategy):
         staleness_name: str = "polynomial",
         server_lr: float = 0.5,
         server_momentum: float = 0.0,
-        buffer_rule: RobustStrategy | None = None,
+        buffer_rule: RobustRule | None = None,
         message_ttl_s: float = 600.0,
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
@@ -156,6 +187,20 @@ class FedBuff(Strategy):
         self._arrays = ArrayRecord()
         self._models: dict[int, TensorDict] = {}  # version -> global model, while some task or update needs it
 
+    # How the server's run drives this strategy (app/run/federation.py): `run`, one callback per version.
+    asynchronous = True
+    unit = "version"
+
+    def run_summary(self) -> dict[str, Any]:
+        """Strategy-specific entries of summary.json."""
+        return {
+            "fedbuff": {
+                "versions": self.version,
+                "tasks_sent": self.tasks_sent,
+                "discarded_stale": self.discarded_total,
+            }
+        }
+
     def summary(self) -> None:
         log.info(
             "FedBuff: buffer K=%d, concurrency %s, max staleness %d, staleness weight %s, server lr %g, "
@@ -166,7 +211,7 @@ class FedBuff(Strategy):
             self.staleness_name,
             self.server_lr,
             self.server_momentum,
-            type(self.buffer_rule).__name__ if self.buffer_rule else "weighted mean",
+            self.buffer_rule.name if self.buffer_rule else "weighted mean",
             self.message_ttl_s,
             self.device,
         )
@@ -314,14 +359,16 @@ class FedBuff(Strategy):
             return weighted_update_mean(
                 [r.arrays for r in buffer], [r.base for r in buffer], [r.weight for r in buffer], self.device
             )
-        rule = self.buffer_rule
-        rule._global, rule.train_report = current, RoundReport(sampled=len(buffer))
         screened = Screened(valid=list(buffer))
-        proposed = rule.aggregate_models(self.version + 1, screened)
-        report = rule.train_report
-        report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
-        self.report.robust = report.robust_row()
-        self.report.robust["excluded"] += [r.node_id for r in screened.rejected]  # found bad by the rule itself
+        proposed, outcome = self.buffer_rule.aggregate(self.version + 1, current, screened, [r.base for r in buffer])
+        picks = RoundReport(
+            accepted=[r.node_id for r in screened.valid if r.node_id not in outcome.excluded],
+            # Replies the rule itself found bad (NaN or Inf) are left out too.
+            excluded=outcome.excluded + [r.node_id for r in screened.rejected],
+            scores=outcome.scores,
+            policy=outcome.policy,
+        )
+        self.report.robust = picks.robust_row()
         self.report.rejected += screened.rejected
         if proposed is None:  # the rule's too-few policy said skip: the model stays
             return {k: torch.zeros(t.shape, dtype=update_dtype(t), device=self.device) for k, t in current.items()}

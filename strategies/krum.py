@@ -11,6 +11,9 @@ selected attacker claiming 1e308 examples would otherwise be the whole average (
 overflow the weight sum to inf and zero the model), undoing the selection that let it
 in only because its update looked honest.
 
+`MultiKrumRule` and `KrumRule` aggregate (in a synchronous round or FedBuff's
+buffer); `MultiKrum` and `Krum` are the synchronous strategies built on them.
+
 Distances come from a Gram matrix of the updates accumulated block by block
 (`robust_ops.update_gram`), never from an n × d copy; its diagonal also tells which
 updates hold NaN or Inf, so no separate pass screens them.
@@ -24,8 +27,8 @@ from typing import Any
 
 import torch
 
-from strategies.replies import Screened, reject
-from strategies.robust import RobustStrategy
+from strategies.replies import Screened, WeightCap
+from strategies.robust import RobustRule, RobustStrategy, RuleReport, reject_where
 from strategies.robust_ops import (
     apply_update,
     krum_scores,
@@ -39,20 +42,39 @@ from strategies.tensor_ops import TensorDict, weighted_mean
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
-class MultiKrum(RobustStrategy):
-    """Multi-Krum: the equal-weight mean of the m best-scored client updates."""
+class MultiKrumRule(RobustRule):
+    """Multi-Krum's rule: the equal-weight mean of the m best-scored client updates.
 
-    screen_finite = False  # the Gram diagonal finds non-finite updates
+    Parameters
+    ----------
+    num_selected : int (default: 1)
+        m, the updates averaged (m <= n - f).
+    num_byzantine, on_too_few, device
+        As in `RobustRule` (Krum needs n >= 2f + 3 valid replies).
+    """
 
-    def __init__(self, *, num_selected: int = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    name = "MultiKrum"
+    finds_non_finite = True  # the Gram diagonal
+
+    def __init__(
+        self,
+        *,
+        num_byzantine: int = 0,
+        num_selected: int = 1,
+        on_too_few: str = "skip",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_byzantine=num_byzantine, on_too_few=on_too_few, device=device)
         if num_selected < 1:
             raise ValueError(f"num_selected={num_selected} must be >= 1")
         self.num_selected = num_selected
 
     def summary(self) -> None:
         super().summary()
-        log.info("%s: averages the m=%d best-scored updates", type(self).__name__, self.num_selected)
+        log.info("%s: averages the m=%d best-scored updates", self.name, self.num_selected)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_byzantine": self.num_byzantine, "num_selected": self.num_selected}
 
     def too_few(self, n: int) -> str | None:
         f, m = self.num_byzantine, self.num_selected
@@ -62,50 +84,146 @@ class MultiKrum(RobustStrategy):
             return f"strategy.num_selected={m} must be <= n - f = {n - f} (n={n} valid replies, f={f})"
         return None
 
-    def robust_aggregate(self, server_round: int, screened: Screened) -> TensorDict | None:
+    def combine(
+        self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
+    ) -> TensorDict | None:
         models = [r.arrays for r in screened.valid]
-        bases = self.bases(screened)
         gram = update_gram(models, bases, self.device)
         finite = torch.isfinite(gram.diagonal()).tolist()
         if not all(finite):
+            bad = [not ok for ok in finite]
+            bases = reject_where(screened, bases, bad, "non-finite values (NaN or Inf) in its update")
+            if (reason := self.too_few(len(bases))) is not None:
+                return self.apply_policy(server_round, current, screened, bases, reason, report)
             keep = [i for i, ok in enumerate(finite) if ok]
-            for reply, ok in list(zip(screened.valid, finite, strict=True)):
-                if not ok:
-                    reject(screened, reply, "non-finite values (NaN or Inf) in its update")
-            if (reason := self.too_few(len(keep))) is not None:
-                return self.apply_policy(server_round, screened, reason)
             gram = gram[keep][:, keep]
-            bases = [bases[i] for i in keep]
         scores = krum_scores(squared_distances(gram), self.num_byzantine)
         chosen = select_lowest(scores, self.num_selected)
-        report = self.train_report
         report.scores = {r.node_id: float(s) for r, s in zip(screened.valid, scores.tolist(), strict=True)}
         report.excluded = [r.node_id for i, r in enumerate(screened.valid) if i not in chosen]
         selected = [screened.valid[i] for i in chosen]
         log.info(
             "round %d: %s selected %s, excluded %s; scores %s",
             server_round,
-            type(self).__name__,
+            self.name,
             [r.node_id for r in selected],
             report.excluded,
             {k: f"{v:.4g}" if math.isfinite(v) else v for k, v in report.scores.items()},
         )
         bases = [bases[i] for i in chosen]
         weights = [r.scale for r in selected]  # not r.weight: claimed counts must not undo the selection
-        if all(b is self._global for b in bases):
+        if all(b is current for b in bases):
             # One base (a synchronous round): the mean of the selected models is
             # global + the mean of their updates, without forming the updates.
             return weighted_mean([r.arrays for r in selected], weights, self.device)
-        return apply_update(
-            self._global, weighted_update_mean([r.arrays for r in selected], bases, weights, self.device)
+        return apply_update(current, weighted_update_mean([r.arrays for r in selected], bases, weights, self.device))
+
+
+class KrumRule(MultiKrumRule):
+    """Krum's rule: the single best-scored client update becomes the new global model.
+
+    Parameters
+    ----------
+    num_byzantine, on_too_few, device
+        As in `RobustRule` (Krum needs n >= 2f + 3 valid replies).
+    """
+
+    name = "Krum"
+
+    def __init__(self, *, num_byzantine: int = 0, on_too_few: str = "skip", device: torch.device | str = "cpu") -> None:
+        super().__init__(num_byzantine=num_byzantine, num_selected=1, on_too_few=on_too_few, device=device)
+
+
+class MultiKrum(RobustStrategy):
+    """Multi-Krum [Blanchard et al., 2017]: each round's new model is the equal-weight
+    mean of the m best-scored client updates.
+
+    Parameters
+    ----------
+    num_byzantine : int (default: 0)
+        f, the Byzantine clients to tolerate: a round needs n >= 2f + 3 valid replies.
+    num_selected : int (default: 1)
+        m, the updates averaged (m <= n - f).
+    on_too_few : str (default: "skip")
+        "skip" or "fallback": the policy for rounds with too few valid replies
+        (`strategies.robust`).
+    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
+        Who trains and evaluates each round, as in `FedAvg`.
+    min_available_nodes, message_ttl_s, device, weight_cap
+        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
+        example counts, as in `FedAvg`.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_byzantine: int = 0,
+        num_selected: int = 1,
+        on_too_few: str = "skip",
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        message_ttl_s: float = 3600.0,
+        device: torch.device | str = "cpu",
+        weight_cap: WeightCap | None = None,
+    ) -> None:
+        super().__init__(
+            rule=MultiKrumRule(
+                num_byzantine=num_byzantine, num_selected=num_selected, on_too_few=on_too_few, device=device
+            ),
+            fraction_train=fraction_train,
+            min_train_nodes=min_train_nodes,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            message_ttl_s=message_ttl_s,
+            device=device,
+            weight_cap=weight_cap,
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "num_byzantine": self.num_byzantine, "num_selected": self.num_selected}
 
+class Krum(RobustStrategy):
+    """Krum [Blanchard et al., 2017]: each round, the single best-scored client update
+    becomes the new global model.
 
-class Krum(MultiKrum):
-    """Krum: the single best-scored client update becomes the new global model."""
+    Parameters
+    ----------
+    num_byzantine : int (default: 0)
+        f, the Byzantine clients to tolerate: a round needs n >= 2f + 3 valid replies.
+    on_too_few : str (default: "skip")
+        "skip" or "fallback": the policy for rounds with too few valid replies
+        (`strategies.robust`).
+    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
+        Who trains and evaluates each round, as in `FedAvg`.
+    min_available_nodes, message_ttl_s, device, weight_cap
+        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
+        example counts, as in `FedAvg`.
+    """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(num_selected=1, **kwargs)
+    def __init__(
+        self,
+        *,
+        num_byzantine: int = 0,
+        on_too_few: str = "skip",
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        message_ttl_s: float = 3600.0,
+        device: torch.device | str = "cpu",
+        weight_cap: WeightCap | None = None,
+    ) -> None:
+        super().__init__(
+            rule=KrumRule(num_byzantine=num_byzantine, on_too_few=on_too_few, device=device),
+            fraction_train=fraction_train,
+            min_train_nodes=min_train_nodes,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            message_ttl_s=message_ttl_s,
+            device=device,
+            weight_cap=weight_cap,
+        )

@@ -1,6 +1,13 @@
-"""Common ground of the Byzantine-robust strategies: the too-few-replies policy.
+"""Byzantine-robust aggregation: one `RobustRule` shared by the synchronous strategies
+and FedBuff's buffer, and `RobustStrategy`, FedAvg with a rule in place of the mean.
 
-A robust rule tolerating f Byzantine clients needs enough valid replies (Krum:
+A rule is stateless between aggregations: the caller hands it the current global
+model, the screened replies and the model each reply trained from (its base: this
+round's global model in a synchronous round, the reply's own version in the
+asynchronous buffer), and gets back the new model and a `RuleReport`. So one rule
+object serves any caller, and no caller reaches into another object's state.
+
+A rule tolerating f Byzantine clients needs enough valid replies (Krum:
 n >= 2f + 3). When a round brings fewer, the configured policy applies and is
 logged: `skip` keeps the previous model, `fallback` takes the coordinate-wise
 median of the valid replies if there are at least 2f + 1 of them (the median's own
@@ -12,17 +19,20 @@ plain average.
 from __future__ import annotations
 
 import logging
-from abc import abstractmethod
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from strategies.fedavg import FedAvg
-from strategies.replies import Screened, reject
+from strategies.names import POLICIES
+from strategies.replies import Screened, WeightCap, reject
 from strategies.robust_ops import apply_update, coordinatewise
 from strategies.tensor_ops import TensorDict, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
-
-POLICIES = ("skip", "fallback")
 
 
 def median_too_few(n: int, f: int) -> str | None:
@@ -32,62 +42,109 @@ def median_too_few(n: int, f: int) -> str | None:
     return None
 
 
-class RobustStrategy(FedAvg):
-    """FedAvg's sampling and screening with a robust rule in place of the mean."""
+def reject_where(screened: Screened, bases: Sequence[TensorDict], bad: Sequence[bool], reason: str) -> list[TensorDict]:
+    """Reject the valid replies flagged `bad`; returns the bases of the others, in order."""
+    kept = []
+    for reply, base, is_bad in zip(list(screened.valid), bases, bad, strict=True):
+        if is_bad:
+            reject(screened, reply, reason)
+        else:
+            kept.append(base)
+    return kept
 
-    screen_finite = True
 
-    def __init__(self, *, num_byzantine: int = 0, on_too_few: str = "skip", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+@dataclass
+class RuleReport:
+    """What a rule made of one aggregation's valid replies (for logs and metrics.jsonl)."""
+
+    excluded: list[int] = field(default_factory=list)  # valid replies it left out of the model
+    scores: dict[int, float] = field(default_factory=dict)  # per-node scores (Krum)
+    policy: str | None = None  # "skip" or "fallback-median" when too few replies were valid
+
+
+class RobustRule(ABC):
+    """A Byzantine-robust replacement for the weighted mean of client updates.
+
+    Parameters
+    ----------
+    num_byzantine : int (default: 0)
+        f, the number of Byzantine clients to tolerate.
+    on_too_few : str (default: "skip")
+        One of `POLICIES`: what happens when fewer valid replies arrive than the rule
+        needs for f. "skip" keeps the previous model; "fallback" takes the
+        coordinate-wise median when at least 2f + 1 replies are valid, else skips.
+    device : torch.device | str (default: "cpu")
+        Where the aggregation runs.
+    """
+
+    name: str  # how logs and summaries call the rule (the class name of its strategy)
+    finds_non_finite = False  # True: the rule spots NaN/Inf updates itself, no screening pass needed
+
+    def __init__(self, *, num_byzantine: int = 0, on_too_few: str = "skip", device: torch.device | str = "cpu") -> None:
         if num_byzantine < 0:
             raise ValueError(f"num_byzantine={num_byzantine} must be >= 0")
         if on_too_few not in POLICIES:
             raise ValueError(f"on_too_few={on_too_few!r} must be one of {POLICIES}")
         self.num_byzantine = num_byzantine
         self.on_too_few = on_too_few
+        self.device = torch.device(device)
 
     def summary(self) -> None:
-        super().summary()
         log.info(
             "%s: tolerates f=%d Byzantine clients; too few valid replies -> %s",
-            type(self).__name__,
+            self.name,
             self.num_byzantine,
             self.on_too_few,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings a checkpoint records next to the strategy's name (none by default)."""
+        return {}
 
     @abstractmethod
     def too_few(self, n: int) -> str | None:
         """Why n valid replies are not enough for this rule (None when they are)."""
 
     @abstractmethod
-    def robust_aggregate(self, server_round: int, screened: Screened) -> TensorDict | None:
-        """The new global model from enough valid replies."""
+    def combine(
+        self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
+    ) -> TensorDict | None:
+        """The new global model from enough valid replies, filling `report`."""
 
-    def cohort_problem(self, cohort: int) -> str | None:
-        """Checked before the first round: a cohort this size could never be enough."""
-        reason = self.too_few(cohort)
-        return None if reason is None else f"{reason}, but a round samples at most {cohort} clients"
+    def aggregate(
+        self, server_round: int, current: TensorDict, screened: Screened, bases: Sequence[TensorDict]
+    ) -> tuple[TensorDict | None, RuleReport]:
+        """The new global model (None: keep `current`) and what the rule made of the replies.
 
-    def bases(self, screened: Screened) -> list[TensorDict]:
-        """The model each reply trained from: its own version in the asynchronous buffer,
-        the one global model in a synchronous round."""
-        return [self._global if r.base is None else r.base for r in screened.valid]
-
-    def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
-        self.train_report.excluded, self.train_report.scores, self.train_report.policy = [], {}, None
+        `bases[i]` is the model `screened.valid[i]` trained from; passing `current`
+        itself for every reply of a synchronous round lets a rule skip forming the
+        updates. Replies the rule finds unusable (NaN or Inf) are moved to
+        `screened.rejected`; `server_round` only labels the logs.
+        """
+        if len(bases) != len(screened.valid):
+            raise ValueError(f"{len(screened.valid)} replies but {len(bases)} bases")
+        report = RuleReport()
         reason = self.too_few(len(screened.valid))
         if reason is None:
-            return self.robust_aggregate(server_round, screened)
-        return self.apply_policy(server_round, screened, reason)
+            return self.combine(server_round, current, screened, list(bases), report), report
+        return self.apply_policy(server_round, current, screened, list(bases), reason, report), report
 
-    def apply_policy(self, server_round: int, screened: Screened, reason: str) -> TensorDict | None:
+    def apply_policy(
+        self,
+        server_round: int,
+        current: TensorDict,
+        screened: Screened,
+        bases: list[TensorDict],
+        reason: str,
+        report: RuleReport,
+    ) -> TensorDict | None:
+        """The too-few policy (module docstring): the fallback median's model, or None to skip."""
         if self.on_too_few == "fallback":
-            for reply in list(screened.valid):
-                if not all(is_finite(t) for t in reply.arrays.values()):
-                    reject(screened, reply, "non-finite values (NaN or Inf)")
+            bad = [not all(is_finite(t) for t in r.arrays.values()) for r in screened.valid]
+            bases = reject_where(screened, bases, bad, "non-finite values (NaN or Inf)")
             problem = median_too_few(len(screened.valid), self.num_byzantine)
             if problem is None:
-                self.train_report.policy = "fallback-median"
+                report.policy = "fallback-median"
                 log.warning(
                     "round %d: %s; policy fallback: coordinate-wise median of %d replies",
                     server_round,
@@ -95,8 +152,73 @@ class RobustStrategy(FedAvg):
                     len(screened.valid),
                 )
                 models = [r.arrays for r in screened.valid]
-                return apply_update(self._global, coordinatewise(models, self.bases(screened), None, self.device))
+                return apply_update(current, coordinatewise(models, bases, None, self.device))
             reason = f"{reason}; policy fallback cannot help: {problem}"
-        self.train_report.policy = "skip"
+        report.policy = "skip"
         log.warning("round %d: %s; skipping the round: keeping the previous global model", server_round, reason)
         return None
+
+
+class RobustStrategy(FedAvg):
+    """FedAvg's sampling and screening with a robust rule in place of the weighted mean.
+
+    `Krum`, `MultiKrum`, `CoordinateMedian` and `TrimmedMean` are this strategy with
+    their rule built in (and their name in logs and checkpoints).
+
+    Parameters
+    ----------
+    rule : RobustRule
+        Aggregates each round's valid replies; every base is the round's global model.
+    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
+        Who trains and evaluates each round, as in `FedAvg`.
+    min_available_nodes, message_ttl_s, device, weight_cap
+        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
+        example counts, as in `FedAvg`.
+    """
+
+    def __init__(
+        self,
+        *,
+        rule: RobustRule,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        message_ttl_s: float = 3600.0,
+        device: torch.device | str = "cpu",
+        weight_cap: WeightCap | None = None,
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            min_train_nodes=min_train_nodes,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            message_ttl_s=message_ttl_s,
+            device=device,
+            weight_cap=weight_cap,
+        )
+        self.rule = rule
+        self.screen_finite = not rule.finds_non_finite
+
+    def robust_row(self) -> dict[str, Any] | None:
+        return self.train_report.robust_row()
+
+    def summary(self) -> None:
+        super().summary()
+        self.rule.summary()
+
+    def cohort_problem(self, cohort: int) -> str | None:
+        """Checked before the first round: a cohort this size could never be enough."""
+        reason = self.rule.too_few(cohort)
+        return None if reason is None else f"{reason}, but a round samples at most {cohort} clients"
+
+    def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
+        new, outcome = self.rule.aggregate(server_round, self._global, screened, [self._global] * len(screened.valid))
+        report = self.train_report
+        report.excluded, report.scores, report.policy = outcome.excluded, outcome.scores, outcome.policy
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **self.rule.state_dict()}

@@ -1,38 +1,76 @@
-"""Shared fixtures: reply builders for strategy tests, and the in-process grid."""
+"""Shared fixtures, and the one list of slow tests.
+
+`python -m pytest` runs the fast suite: pyproject.toml's addopts deselect `slow`. CI
+(.ci/run) and `python -m pytest -m ""` run everything; `-m slow` only the slow part.
+Helpers the tests import live in tests/helpers.py and in the app (see there).
+
+Slow means one of:
+  * end to end through real Flower processes (SuperLink, SuperNodes, `flwr run`):
+    each costs from ~20 s to minutes of start-up, polling and teardown;
+  * a federation long enough to show an effect (an attack's damage, a privacy budget
+    running out, an asynchronous speedup) rather than that the path works.
+The fast suite still runs one short in-process federation per strategy family (FedAvg,
+robust, FedBuff, central DP, local DP), so every module is exercised by default.
+
+The marks are set here, by module or by test / fixture name, never in the test files,
+so the split is in one place; collection fails if a listed module, test or fixture is
+gone (a renamed test must not silently become fast or stay slow by accident).
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 
 from app.simulation.local_grid import act_as_server
-from app.tools.processes import free_ports  # noqa: F401 - re-exported for the tests
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 act_as_server()
 
+HERE = Path(__file__).resolve().parent
 
-def make_reply(
-    node_id: int, arrays: dict[str, np.ndarray] | None, metrics: dict | None, error: str | None = None
-) -> Message:
-    """A reply as it arrives at the server from node `node_id`."""
-    ins = Message(RecordDict(), dst_node_id=node_id, message_type="train")
-    ins.metadata.__dict__["_message_id"] = f"m{node_id}"
-    if error is not None:
-        return Message(Error(code=0, reason=error), reply_to=ins)
-    content = RecordDict()
-    if arrays is not None:
-        content["arrays"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-    if metrics is not None:
-        content["metrics"] = MetricRecord(metrics)
-    return Message(content, reply_to=ins)
+# Whole modules: every test in them starts real Flower processes.
+SLOW_MODULES: dict[str, str] = {
+    "test_flwr_cli": "`flwr run` through the local simulation SuperLink",
+    "test_superlink_loopback": "a SuperLink, SuperNodes and the flwr CLI on loopback (deployment path)",
+}
+
+# Modules that mix fast and slow tests: the slow ones, by test function name (every
+# parametrization of it) or by the name of a fixture defined in that module (every test
+# that uses it).
+SLOW_TESTS: dict[str, set[str]] = {
+}
+
+
+def _check_listed(module_names: set[str], modules: dict[str, object]) -> None:
+    missing = sorted(f"tests/{m}.py" for m in {*SLOW_MODULES, *SLOW_TESTS} if not (HERE / f"{m}.py").is_file())
+    for name, module in modules.items():
+        missing += [f"tests/{name}.py::{t}" for t in sorted(SLOW_TESTS.get(name, ())) if not hasattr(module, t)]
+    if missing:
+        raise pytest.UsageError(
+            f"tests/conftest.py marks as slow what does not exist: {', '.join(missing)}. "
+            "Update SLOW_MODULES / SLOW_TESTS there."
+        )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    modules = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and Path(module.__file__).parent == HERE:
+            modules[Path(module.__file__).stem] = module
+    _check_listed(set(modules), modules)
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        name = Path(module.__file__).stem
+        listed = SLOW_TESTS.get(name, set())
+        test_name = getattr(item, "originalname", item.name)
+        if name in SLOW_MODULES or test_name in listed or listed & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -48,22 +86,3 @@ def model_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "fc.weight": rng.normal(size=(10, 4)).astype(np.float32),
     }
 
-
-def context_for(partition_id: int, num_partitions: int, node_config: dict | None = None) -> Context:
-    return Context(
-        run_id=1,
-        node_id=1000 + partition_id,
-        node_config=node_config or {"partition-id": partition_id, "num-partitions": num_partitions},
-        state=RecordDict(),
-        run_config={},
-    )
-
-
-def load_script(name: str) -> ModuleType:
-    """A module from scripts/ (not a package: the scripts run as files)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module

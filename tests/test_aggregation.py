@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
+from app.simulation.replies import make_reply
 from strategies.fedavg import FedAvg
 from strategies.replies import specs_of
 from strategies.tensor_ops import array_view, flatten, record_to_tensors, unflatten, weighted_mean

@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from conftest import context_for
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 import app.client_app as client_module
@@ -17,13 +16,14 @@ from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import ConfigError
 from app.protocol import to_client_record
-from app.run.federation import example_cap, run_federation
+from app.run.federation import example_cap
 from app.run.results import read_rows
 from app.simulation.attacks import flip_labels, malicious_partitions
-from app.simulation.local_grid import InProcessGrid
+from app.simulation.local_grid import run_in_process
 from app.task.data import DataSpec, load_splits, spec_to_record
 from app.task.models import build_model
 from strategies.partitions import PartitionBinding
+from tests.helpers import context_for
 
 NODES = 5
 SPEC = DataSpec(1, 8, 8, 10)
@@ -156,8 +156,9 @@ def test_the_cap_is_exactly_the_count_an_honest_clientapp_reports(partition):
 
 
 def _attacked_run(tmp_path, overrides: str, rounds: int) -> tuple[list[float], list[dict]]:
-    cfg, raw = load_config(f"{overrides} attack.num_malicious=1 federation.rounds={rounds} seed=7")
-    summary = run_federation(InProcessGrid(client_app, NODES), cfg, raw, tmp_path)
+    summary, _ = run_in_process(
+        f"{overrides} attack.num_malicious=1 federation.rounds={rounds} seed=7", tmp_path, nodes=NODES
+    )
     rows = read_rows(summary["run_dir"])
     return [r["accuracy"] for r in rows], rows
 

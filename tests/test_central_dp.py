@@ -3,7 +3,6 @@ adaptive clipping, the budget stop, refused combinations, and runs end to end.""
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 
@@ -21,11 +20,11 @@ from flwr.supercore.privacy_accounting import (
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 from opacus.accountants import RDPAccountant
 
-from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import ConfigError
-from app.run.federation import EXACT_ROW_KEYS, build_strategy, run_federation
-from app.simulation.local_grid import InProcessGrid
+from app.run.federation import EXACT_ROW_KEYS, build_strategy
+from app.run.results import read_rows
+from app.simulation.local_grid import InProcessGrid, run_in_process
 from strategies.central_dp import (
     AdaptiveClip,
     CentralDP,
@@ -305,19 +304,14 @@ def test_dp_fedbuff_buffer_larger_than_the_nodes_is_refused(tmp_path):
 
 
 # --- runs ------------------------------------------------------------------------------------
-def _run(tmp_path, overrides: str, nodes: int = 5):
-    cfg, raw = load_config(overrides + " train.epochs=1 seed=3")
-    return run_federation(InProcessGrid(client_app, nodes), cfg, raw, tmp_path)
-
-
-def _rows(summary: dict) -> list[dict]:
-    with open(f"{summary['run_dir']}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+def _run(tmp_path, overrides: str, nodes: int = 5) -> dict:
+    """The summary of a run with this module's defaults: one local epoch, seed 3, 5 nodes."""
+    return run_in_process(overrides + " train.epochs=1 seed=3", tmp_path, nodes=nodes)[0]
 
 
 def test_the_run_stops_before_the_budget_and_keeps_the_last_released_model(tmp_path):
     summary = _run(tmp_path, "privacy=central privacy.max_epsilon=8 federation.rounds=10 name=b")
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     assert [r["round"] for r in rows] == [1, 2] and "max_epsilon=8" in summary["stop_reason"]
     assert summary["status"] == "completed"
     privacy = summary["privacy"]
@@ -336,7 +330,7 @@ def test_poisson_sampling_draws_cohorts_and_is_accounted_with_its_rate(tmp_path)
         "privacy.report_exact=true",
         nodes=8,
     )
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     sizes = [r["num_sampled"] for r in rows]
     assert len(set(sizes)) > 1  # the cohort size varies from round to round
     reference = RDPAccountant()
@@ -347,7 +341,7 @@ def test_poisson_sampling_draws_cohorts_and_is_accounted_with_its_rate(tmp_path)
 
 def test_fedbuff_flushes_are_releases_with_q_one(tmp_path):
     summary = _run(tmp_path, "strategy=fedbuff strategy.buffer_size=3 privacy=central_adaptive federation.rounds=4")
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     assert [r["releases"] for r in rows] == [1, 2, 3, 4]
     assert all(b["epsilon"] > a["epsilon"] for a, b in zip(rows, rows[1:], strict=False))
     assert rows[0]["clip_norm"] != rows[-1]["clip_norm"]  # adaptive clipping moved it
@@ -368,7 +362,7 @@ def test_a_fixed_size_cohort_smaller_than_the_population_is_charged_twice_the_cl
 @pytest.mark.parametrize("exact", [False, True])
 def test_exact_values_outside_epsilon_are_recorded_only_when_asked(tmp_path, exact):
     summary = _run(tmp_path, f"privacy=central federation.rounds=2 privacy.report_exact={str(exact).lower()}", nodes=4)
-    for row in _rows(summary):
+    for row in read_rows(summary["run_dir"]):
         assert "epsilon" in row and "accuracy" in row
         recorded = {"clipped_fraction", "num_sampled", "num_clients", "node_partitions", "train", "rejected"}
         recorded &= set(row)

@@ -8,11 +8,12 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_ssh_private_key
 from cryptography.hazmat.primitives.serialization.ssh import load_ssh_public_key
+
+from tests.helpers import load_script
 
 credentials = load_script("credentials")
 

@@ -8,13 +8,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from app.simulation.local_grid import InProcessGrid
-from strategies.coordinatewise import CoordinateMedian
+from app.simulation.replies import make_reply
+from strategies.coordinatewise import MedianRule
 from strategies.fedbuff import FedBuff, InFlight, server_step
-from strategies.krum import Krum
+from strategies.krum import KrumRule
 from strategies.staleness import staleness_fn
 
 CPU = torch.device("cpu")
@@ -51,17 +52,9 @@ def _model(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def _reply(message_id: str, node: int, arrays: dict[str, np.ndarray] | None, num_examples: int = 10) -> Message:
     """A reply to the task `message_id` sent to `node`; arrays=None gives an error reply."""
-    ins = Message(RecordDict(), dst_node_id=node, message_type="train")
-    ins.metadata.__dict__["_message_id"] = message_id
     if arrays is None:
-        return Message(Error(code=5, reason="node gone"), reply_to=ins)
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-            "metrics": MetricRecord({"num-examples": num_examples}),
-        }
-    )
-    return Message(content, reply_to=ins)
+        return make_reply(node, None, None, error="node gone", message_id=message_id, error_code=5)
+    return make_reply(node, arrays, {"num-examples": num_examples}, message_id=message_id)
 
 
 def _strategy(**kwargs) -> FedBuff:
@@ -152,7 +145,7 @@ def test_fresh_equal_weight_buffer_equals_flowers_fedavg(rng):
 # --- robust buffer ---------------------------------------------------------------------
 def test_robust_buffer_works_on_updates_against_each_ones_own_version(rng):
     versions = {v: _model(rng) for v in (0, 1, 2)}
-    s = _strategy(buffer_size=5, max_staleness=3, buffer_rule=CoordinateMedian(num_byzantine=1))
+    s = _strategy(buffer_size=5, max_staleness=3, buffer_rule=MedianRule(num_byzantine=1))
     _at_versions(s, versions)
     sent = {f"m{i}": (10 + i, i % 3) for i in range(5)}
     models = {m: _model(rng) for m in sent}
@@ -168,7 +161,7 @@ def test_robust_buffer_works_on_updates_against_each_ones_own_version(rng):
 
 def test_krum_buffer_rejects_the_attacker_and_keeps_one_update_per_node(rng):
     start = _model(rng)
-    s = _strategy(buffer_size=5, max_staleness=3, buffer_rule=Krum(num_byzantine=1))
+    s = _strategy(buffer_size=5, max_staleness=3, buffer_rule=KrumRule(num_byzantine=1))
     _at_versions(s, {0: start})
     honest = {k: v + 0.01 for k, v in start.items()}
     for i in range(4):  # node 10 answers twice before the buffer fills: only its newer update counts
@@ -190,9 +183,37 @@ def test_krum_buffer_rejects_the_attacker_and_keeps_one_update_per_node(rng):
     np.testing.assert_allclose(new["w"].numpy(), honest["w"], atol=5e-3)
 
 
+def test_robust_buffer_hands_its_rule_explicit_bases_and_leaves_the_rule_untouched(rng):
+    """The rule gets the current model and each update's own version as arguments; FedBuff
+    never writes the rule's fields (one rule object could serve any caller)."""
+    seen = []
+
+    class Recording(MedianRule):
+        def aggregate(self, server_round, current, screened, bases):
+            seen.append((current, [r.node_id for r in screened.valid], list(bases)))
+            return super().aggregate(server_round, current, screened, bases)
+
+    rule = Recording(num_byzantine=1)
+    settings = dict(vars(rule))
+    versions = {v: _model(rng) for v in (0, 1, 2)}
+    s = _strategy(buffer_size=5, max_staleness=3, buffer_rule=rule)
+    _at_versions(s, versions)
+    sent = {f"m{i}": (10 + i, i % 3) for i in range(5)}
+    for m, (node, version) in sent.items():
+        _send(s, m, node, version)
+    new, _ = s.aggregate_train(2, [_reply(m, node, _model(rng)) for m, (node, _) in sent.items()])
+    assert new is not None and vars(rule) == settings
+    ((current, nodes, bases),) = seen
+    assert np.array_equal(current["w"].numpy(), versions[2]["w"])
+    assert nodes == [node for node, _ in sent.values()]
+    for base, (_, version) in zip(bases, sent.values(), strict=True):
+        assert np.array_equal(base["w"].numpy(), versions[version]["w"])
+    assert s.report.robust == {"selected": nodes, "excluded": [], "scores": {}, "policy": None}
+
+
 def test_robust_buffer_smaller_than_the_rule_needs_is_refused():
     with pytest.raises(ValueError, match="2f\\+3"):
-        _strategy(buffer_size=4, buffer_rule=Krum(num_byzantine=1))
+        _strategy(buffer_size=4, buffer_rule=KrumRule(num_byzantine=1))
 
 
 # --- message handling ---------------------------------------------------------------------

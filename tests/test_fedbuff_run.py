@@ -13,8 +13,8 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import ConfigError, StragglersConfig
-from app.run.federation import run_federation
-from app.simulation.local_grid import InProcessGrid
+from app.run.results import read_rows
+from app.simulation.local_grid import InProcessGrid, run_in_process
 from app.simulation.stragglers import SimulatedDropout, client_record, slow_down, straggler_factors
 from strategies.fedbuff import FedBuff
 from strategies.staleness import staleness_fn
@@ -22,30 +22,18 @@ from strategies.staleness import staleness_fn
 FAST = "strategy=fedbuff train.epochs=1 seed=5 "
 
 
-def _run(tmp_path, overrides: str, nodes: int = 4, workers: int = 4, tamper=None) -> tuple[dict, InProcessGrid]:
-    cfg, raw = load_config(overrides)
-    grid = InProcessGrid(client_app, nodes, tamper=tamper, workers=workers)
-    try:
-        return run_federation(grid, cfg, raw, tmp_path), grid
-    finally:
-        grid.close()
-
-
-def _rows(summary: dict) -> list[dict]:
-    with open(f"{summary['run_dir']}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
 @pytest.mark.parametrize("max_staleness", [3, 1000])
 def test_a_slow_nodes_stale_updates_are_discarded_or_down_weighted_as_configured(tmp_path, max_staleness):
     """Partition 0 is 4x slower: by the time it answers, the three fast nodes have moved
     the model on by about 12 versions (buffer K = 1)."""
-    summary, grid = _run(
-        tmp_path,
+    summary, grid = run_in_process(
         FAST + f"strategy.buffer_size=1 strategy.max_staleness={max_staleness} strategy.eval_every=20 "
         "federation.rounds=40 stragglers=fixed stragglers.factors=[4]",
+        tmp_path,
+        nodes=4,
+        workers=4,
     )
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     assert summary["status"] == "completed" and [r["version"] for r in rows] == list(range(1, 41))
     assert grid.max_in_flight == 1  # never two tasks at one node
     applied = [u for r in rows for u in r["applied"]]
@@ -72,14 +60,10 @@ def test_a_node_that_vanishes_mid_run_does_not_stall_it(tmp_path):
             grid_box[0].kill(1002)  # gone right after training: this reply never arrives
         return reply
 
-    cfg, raw = load_config(FAST + "strategy.buffer_size=2 federation.rounds=10")
     grid = InProcessGrid(client_app, 4, tamper=tamper, workers=4)
     grid_box.append(grid)
-    try:
-        summary = run_federation(grid, cfg, raw, tmp_path)
-    finally:
-        grid.close()
-    rows = _rows(summary)
+    summary, _ = run_in_process(FAST + "strategy.buffer_size=2 federation.rounds=10", tmp_path, grid=grid)
+    rows = read_rows(summary["run_dir"])
     assert summary["status"] == "completed" and summary["rounds_completed"] == 10
     failed = [f for r in rows for f in r["failed"]]
     assert any(f["node_id"] == 1002 and "Node Unavailable" in f["reason"] for f in failed)
@@ -88,32 +72,45 @@ def test_a_node_that_vanishes_mid_run_does_not_stall_it(tmp_path):
 
 
 def test_crashing_tasks_are_counted_and_the_run_goes_on(tmp_path):
-    summary, _ = _run(
-        tmp_path, FAST + "strategy.buffer_size=2 federation.rounds=8 stragglers=lognormal stragglers.dropout=0.3"
+    summary, _ = run_in_process(
+        FAST + "strategy.buffer_size=2 federation.rounds=8 stragglers=lognormal stragglers.dropout=0.3",
+        tmp_path,
+        nodes=4,
+        workers=4,
     )
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     assert summary["status"] == "completed" and summary["rounds_completed"] == 8
     failed = [f for r in rows for f in r["failed"]]
     assert failed and all("simulated dropout" in f["reason"] for f in failed)
 
 
 def test_fedbuff_resumes_from_its_version(tmp_path):
-    first, _ = _run(tmp_path, FAST + "federation.rounds=3 name=r", workers=0)
-    resumed, _ = _run(
-        tmp_path, FAST + f"federation.rounds=5 name=r resume={tmp_path / 'r' / 'checkpoint.pt'}", workers=0
+    first, _ = run_in_process(FAST + "federation.rounds=3 name=r", tmp_path, nodes=4, workers=0)
+    resumed, _ = run_in_process(
+        FAST + f"federation.rounds=5 name=r resume={tmp_path / 'r' / 'checkpoint.pt'}", tmp_path, nodes=4, workers=0
     )
     assert first["fedbuff"]["versions"] == 3
     assert resumed["fedbuff"]["versions"] == 5 and resumed["rounds_completed"] == 5
-    assert [r["version"] for r in _rows(resumed)] == [1, 2, 3, 4, 5]
+    assert [r["version"] for r in read_rows(resumed["run_dir"])] == [1, 2, 3, 4, 5]
     assert resumed["fedbuff"]["tasks_sent"] > first["fedbuff"]["tasks_sent"]
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbuff"])
 def test_runs_stop_at_the_target_accuracy_or_the_wall_clock_budget(tmp_path, strategy):
-    target, _ = _run(tmp_path / "t", f"strategy={strategy} federation.rounds=40 federation.target_accuracy=0.5 seed=5")
+    target, _ = run_in_process(
+        f"strategy={strategy} federation.rounds=40 federation.target_accuracy=0.5 seed=5",
+        tmp_path / "t",
+        nodes=4,
+        workers=4,
+    )
     assert target["stop_reason"] == "target accuracy 0.5 reached"
     assert target["final_accuracy"] >= 0.5 and target["rounds_completed"] < 40
-    budget, _ = _run(tmp_path / "b", f"strategy={strategy} federation.rounds=1000 federation.max_wall_time_s=2 seed=5")
+    budget, _ = run_in_process(
+        f"strategy={strategy} federation.rounds=1000 federation.max_wall_time_s=2 seed=5",
+        tmp_path / "b",
+        nodes=4,
+        workers=4,
+    )
     assert budget["stop_reason"] == "wall-clock budget 2 s spent" and budget["rounds_completed"] < 1000
     assert budget["final_accuracy"] is not None
 
@@ -121,7 +118,9 @@ def test_runs_stop_at_the_target_accuracy_or_the_wall_clock_budget(tmp_path, str
 def test_a_fedbuff_budget_spent_before_the_first_version_still_reports_the_initial_model(tmp_path):
     """The budget is gone before the loop starts (set-up alone takes longer than 1 ms),
     whatever the machine's speed: nothing is applied, and the initial model is evaluated."""
-    summary, _ = _run(tmp_path, "strategy=fedbuff federation.rounds=10 federation.max_wall_time_s=0.001 seed=5")
+    summary, _ = run_in_process(
+        "strategy=fedbuff federation.rounds=10 federation.max_wall_time_s=0.001 seed=5", tmp_path, nodes=4, workers=4
+    )
     assert summary["status"] == "completed" and summary["stop_reason"] == "wall-clock budget 0 s spent"
     assert summary["rounds_completed"] == 0 and summary["fedbuff"]["versions"] == 0
     assert 0.0 <= summary["final_accuracy"] <= 0.3  # an untrained 10-class model
@@ -179,7 +178,7 @@ def test_bad_async_settings_are_refused_by_name(overrides, match):
 )
 def test_impossible_robust_buffers_are_refused_before_training(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
-        _run(tmp_path, FAST + overrides, nodes=4, workers=0)
+        run_in_process(FAST + overrides, tmp_path, nodes=4, workers=0)
 
 
 def test_straggler_factors_are_seeded_and_at_least_one():
@@ -216,15 +215,15 @@ def test_robust_buffer_keeps_a_sign_flipping_node_out_of_an_asynchronous_run(tmp
     """Multi-Krum over the buffer (f = 1, K = 5 of 6 nodes, one slot per node) with one
     node sending global - 10 x its update: the attacker is never selected and the
     model learns."""
-    summary, _ = _run(
-        tmp_path,
+    summary, _ = run_in_process(
         FAST + "strategy.buffer_aggregator=multikrum strategy.num_byzantine=1 strategy.num_selected=3 "
         "strategy.buffer_size=5 federation.rounds=12 attack=sign_flip attack.num_malicious=1",
+        tmp_path,
         nodes=6,
         workers=6,
     )
     (attacker,) = summary["attack"]["malicious_partitions"]
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     assert summary["status"] == "completed" and len(rows) == 12
     bad = 1000 + attacker
     selected = {n for r in rows for n in r["robust"]["selected"]}

@@ -2,42 +2,30 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from conftest import context_for
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.protocol import to_client_record
-from app.run.federation import run_federation
-from app.simulation.local_grid import InProcessGrid
+from app.run.results import read_rows
+from app.simulation.local_grid import InProcessGrid, run_in_process
 from app.task.data import DataSpec, spec_to_record
+from tests.helpers import context_for
 
 FAST = "federation.rounds={rounds} train.epochs=2 seed=3"
 
 
-def _run(tmp_path, overrides: str, nodes: int = 3, tamper=None):
-    cfg, raw = load_config(overrides)
-    return run_federation(InProcessGrid(client_app, nodes, tamper=tamper), cfg, raw, tmp_path)
-
-
-def _rows(summary) -> list[dict]:
-    with open(f"{summary['run_dir']}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
 def test_small_federation_learns_and_writes_all_results(tmp_path):
-    summary = _run(tmp_path, FAST.format(rounds=3) + " name=demo")
+    summary = run_in_process(FAST.format(rounds=3) + " name=demo", tmp_path)[0]
     run_dir = tmp_path / "demo"
     assert summary["run_dir"] == str(run_dir)
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
     assert summary["final_accuracy"] > 0.5  # chance is 0.1
     assert summary["best_accuracy"] >= summary["final_accuracy"]
-    rows = _rows(summary)
+    rows = read_rows(summary["run_dir"])
     assert [r["round"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert {"round", "accuracy", "loss", "wall_time_s", "num_clients", "num_rejected"} <= row.keys()
@@ -52,13 +40,13 @@ def test_small_federation_learns_and_writes_all_results(tmp_path):
 
 
 def test_resume_gives_the_same_rounds_and_model_as_an_uninterrupted_run(tmp_path):
-    whole = _run(tmp_path / "a", FAST.format(rounds=4) + " name=whole")
-    first = _run(tmp_path / "b", FAST.format(rounds=2) + " name=part")
+    whole = run_in_process(FAST.format(rounds=4) + " name=whole", tmp_path / "a")[0]
+    first = run_in_process(FAST.format(rounds=2) + " name=part", tmp_path / "b")[0]
     checkpoint = tmp_path / "b" / "part" / "checkpoint.pt"
-    resumed = _run(tmp_path / "b", FAST.format(rounds=4) + f" name=part resume={checkpoint}")
+    resumed = run_in_process(FAST.format(rounds=4) + f" name=part resume={checkpoint}", tmp_path / "b")[0]
     assert first["rounds_completed"] == 2
     assert resumed["rounds_completed"] == whole["rounds_completed"] == 4
-    assert [r["round"] for r in _rows(resumed)] == [1, 2, 3, 4]
+    assert [r["round"] for r in read_rows(resumed["run_dir"])] == [1, 2, 3, 4]
     a = torch.load(tmp_path / "a" / "whole" / "model_final.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "part" / "model_final.pt", weights_only=True)
     for key in a:
@@ -70,10 +58,10 @@ def test_resume_auto_starts_a_named_run_then_continues_it(tmp_path):
     """The same command twice: first a new run (also when a crash left an empty run
     directory behind), then, after a crash, a continuation from its checkpoint."""
     (tmp_path / "auto").mkdir()  # died before its first checkpoint
-    first = _run(tmp_path, FAST.format(rounds=2) + " name=auto resume=auto")
-    assert first["rounds_completed"] == 2 and [r["round"] for r in _rows(first)] == [1, 2]
-    resumed = _run(tmp_path, FAST.format(rounds=3) + " name=auto resume=auto")
-    assert resumed["run_dir"] == first["run_dir"] and [r["round"] for r in _rows(resumed)] == [1, 2, 3]
+    first = run_in_process(FAST.format(rounds=2) + " name=auto resume=auto", tmp_path)[0]
+    assert first["rounds_completed"] == 2 and [r["round"] for r in read_rows(first["run_dir"])] == [1, 2]
+    resumed = run_in_process(FAST.format(rounds=3) + " name=auto resume=auto", tmp_path)[0]
+    assert resumed["run_dir"] == first["run_dir"] and [r["round"] for r in read_rows(resumed["run_dir"])] == [1, 2, 3]
 
 
 def test_a_node_that_vanishes_mid_round_is_named_in_the_rejections(tmp_path):
@@ -88,11 +76,10 @@ def test_a_node_that_vanishes_mid_round_is_named_in_the_rejections(tmp_path):
         return reply
 
     calls: dict[int, int] = {}
-    cfg, raw = load_config(FAST.format(rounds=3))
     grid = InProcessGrid(client_app, 3, tamper=tamper)
     grid_box.append(grid)
-    summary = run_federation(grid, cfg, raw, tmp_path)
-    rows = _rows(summary)
+    summary, _ = run_in_process(FAST.format(rounds=3), tmp_path, grid=grid)
+    rows = read_rows(summary["run_dir"])
     assert summary["status"] == "completed" and [r["num_clients"] for r in rows] == [3, 2, 2]
     (rejected,) = rows[1]["rejected"]
     assert rejected["node_id"] == 1002 and "Node Unavailable" in rejected["reason"], rejected
@@ -102,9 +89,9 @@ def test_a_node_that_vanishes_mid_round_is_named_in_the_rejections(tmp_path):
 def test_resume_past_the_last_round_is_refused(tmp_path):
     from app.config.schema import ConfigError
 
-    _run(tmp_path, FAST.format(rounds=1) + " name=r")
+    run_in_process(FAST.format(rounds=1) + " name=r", tmp_path)
     with pytest.raises(ConfigError, match="already reached federation.rounds=1"):
-        _run(tmp_path, FAST.format(rounds=1) + f" resume={tmp_path / 'r' / 'checkpoint.pt'}")
+        run_in_process(FAST.format(rounds=1) + f" resume={tmp_path / 'r' / 'checkpoint.pt'}", tmp_path)
 
 
 def test_malicious_and_broken_nodes_are_rejected_and_logged(tmp_path):
@@ -128,8 +115,8 @@ def test_malicious_and_broken_nodes_are_rejected_and_logged(tmp_path):
             return Message(RecordDict({"arrays": reply.content["arrays"], "metrics": metrics}), reply_to=_ins(reply))
         return reply
 
-    summary = _run(tmp_path, FAST.format(rounds=2), nodes=4, tamper=tamper)
-    for row in _rows(summary):
+    summary = run_in_process(FAST.format(rounds=2), tmp_path, nodes=4, tamper=tamper)[0]
+    for row in read_rows(summary["run_dir"]):
         assert row["num_clients"] == 2 and row["num_rejected"] == 2
         reasons = {r["node_id"]: r["reason"] for r in row["rejected"]}
         assert "non-finite" in reasons[1000] and "num-examples" in reasons[1001]
@@ -144,15 +131,15 @@ def _ins(reply: Message) -> Message:
 
 
 def test_round_without_valid_replies_keeps_the_model(tmp_path):
-    summary = _run(tmp_path, FAST.format(rounds=2), nodes=2, tamper=lambda node, reply: None)
-    rows = _rows(summary)
+    summary = run_in_process(FAST.format(rounds=2), tmp_path, nodes=2, tamper=lambda node, reply: None)[0]
+    rows = read_rows(summary["run_dir"])
     assert all(r["num_clients"] == 0 and r["num_missing"] == 2 and not r["model_updated"] for r in rows)
     assert rows[0]["accuracy"] == rows[1]["accuracy"]  # the initial model, unchanged
 
 
 def test_federated_evaluation_on_client_validation_splits(tmp_path):
-    summary = _run(tmp_path, FAST.format(rounds=2) + " federation.fraction_evaluate=1.0")
-    rows = _rows(summary)
+    summary = run_in_process(FAST.format(rounds=2) + " federation.fraction_evaluate=1.0", tmp_path)[0]
+    rows = read_rows(summary["run_dir"])
     assert all(0.0 <= r["federated_eval"]["eval-accuracy"] <= 1.0 for r in rows)
     assert rows[-1]["federated_eval"]["num-examples"] > 0
 
@@ -189,9 +176,9 @@ def test_too_few_nodes_fails_clearly_before_any_results(tmp_path):
     from app.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"only 2 node\(s\) connected after 1 s"):
-        _run(tmp_path, "federation.min_available_nodes=3 federation.node_wait_timeout_s=1", nodes=2)
+        run_in_process("federation.min_available_nodes=3 federation.node_wait_timeout_s=1", tmp_path, nodes=2)
     with pytest.raises(ConfigError, match="partition.min_partition_size=1000"):
-        _run(tmp_path, "partition=dirichlet partition.min_partition_size=1000", nodes=3)
+        run_in_process("partition=dirichlet partition.min_partition_size=1000", tmp_path, nodes=3)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -215,20 +202,20 @@ def test_impossible_cohorts_are_refused_before_training(tmp_path, overrides, wor
     from app.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        _run(tmp_path, overrides, nodes=5)
+        run_in_process(overrides, tmp_path, nodes=5)
     assert words in str(err.value)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_krum_keeps_training_under_attack_and_logs_its_choices(tmp_path):
-    summary = _run(
-        tmp_path,
+    summary = run_in_process(
         "strategy=krum strategy.num_byzantine=1 attack=sign_flip attack.num_malicious=1 federation.rounds=6 seed=3",
+        tmp_path,
         nodes=5,
-    )
+    )[0]
     bad = summary["attack"]["malicious_partitions"]
     assert len(bad) == 1
-    for row in _rows(summary):
+    for row in read_rows(summary["run_dir"]):
         robust = row["robust"]
         assert len(robust["selected"]) == 1 and len(robust["excluded"]) == 4
         assert set(robust["scores"]) == {str(n) for n in row["node_partitions"]}

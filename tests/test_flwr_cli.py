@@ -25,9 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_ports
 
-from app.tools.processes import stop_processes
+from app.tools.processes import free_ports, parse_flwr_json, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300
@@ -91,7 +90,7 @@ def run_status(env: dict[str, str], run_id: str, wait_s: float = 30.0) -> dict:
         )  # fmt: skip
         text = proc.stdout
         assert proc.returncode == 0 and "{" in text, f"flwr list failed:\n{text}\n{proc.stderr}"
-        row = json.loads(text[text.index("{") :])["runs"][0]
+        row = parse_flwr_json(text)["runs"][0]
         if row["status"].startswith("finished") or time.monotonic() > deadline:
             return row
         time.sleep(1.0)

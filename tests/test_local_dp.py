@@ -11,40 +11,43 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from conftest import context_for
 from dp_accounting.rdp import RdpAccountant
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from opacus.accountants import RDPAccountant
+from opacus.optimizers import DPOptimizer
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 
 from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import Config, ConfigError, DatasetConfig, ModelConfig, PrivacyConfig, TrainConfig
-from app.privacy.local_dp import (
-    ACCOUNTANT_STATE,
+from app.privacy.accounting import (
     EPSILON_TOLERANCE,
-    PRIOR_KEY,
     HistoryLedger,
     MalformedHistory,
     PrivacyBudgetSpent,
     affordable_steps,
+    noise_for_target,
+)
+from app.privacy.dp_sgd import (
+    ACCOUNTANT_STATE,
+    DpSgdSteps,
     dp_generators,
     make_private_compatible,
-    noise_for_target,
     private_precision,
     train_private,
 )
-from app.protocol import to_client_record
+from app.protocol import PRIOR_KEY, to_client_record
 from app.run.checkpoint import load_checkpoint
 from app.run.federation import FederatedRun, run_federation
-from app.simulation.local_grid import InProcessGrid
+from app.simulation.local_grid import InProcessGrid, run_in_process
 from app.task.data import DataSpec, ImageTensors, load_splits, materialize, spec_to_record
 from app.task.models import build_model
-from app.task.training import Precision, resolve_precision, train
+from app.task.training import Precision, Steps, TrainStats, fit, resolve_precision, train
+from tests.helpers import context_for
 
 DIGITS = DataSpec(1, 8, 8, 10)
-LOG = "flwr.fedgpu.app.privacy.local_dp"
+LOG = "flwr.fedgpu.app.privacy.dp_sgd"
 CPU = resolve_precision("off", torch.device("cpu"))
 
 
@@ -228,6 +231,24 @@ def test_a_noiseless_unclipped_full_batch_step_is_exactly_plain_sgd(digits, chan
         torch.testing.assert_close(private.state_dict()[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+def test_dp_sgd_runs_in_the_one_training_loop(digits, monkeypatch):
+    """train_private plans, accounts and reports; the steps themselves run in app.task.training.fit."""
+    calls = []
+
+    def spy(steps: Steps, data: ImageTensors) -> TrainStats:
+        calls.append(steps)
+        return fit(steps, data)
+
+    monkeypatch.setattr("app.privacy.dp_sgd.fit", spy)
+    model = make_private_compatible(build_model(ModelConfig(), DIGITS))
+    cfg = TrainConfig(epochs=1, batch_size=16)
+    stats, metrics = train_private(
+        model, ImageTensors(digits.x[:64], digits.y[:64]), cfg, PrivacyConfig(), CPU, RecordDict(), {}, seed=1
+    )
+    assert len(calls) == 1 and isinstance(calls[0], DpSgdSteps) and isinstance(calls[0].optimizer, DPOptimizer)
+    assert stats.steps == metrics["dp-steps"] == 4
+
+
 def test_federation_with_local_dp_reports_client_epsilon(tmp_path):
     cfg, raw = load_config("privacy=local privacy.report_exact=true federation.rounds=2 train.epochs=1")
     summary = run_federation(InProcessGrid(client_app, 3), cfg, raw, tmp_path)
@@ -251,10 +272,9 @@ def test_resumed_run_and_restarted_node_keep_counting_their_clients_epsilon(tmp_
     back with the config) continues the count. Per-client epsilon equals an uninterrupted
     run's; without it, the resumed run would report two rounds' worth."""
     base = "privacy=local privacy.report_exact=true federation.rounds={} train.epochs=1"
-    whole = run_federation(InProcessGrid(client_app, 3), *load_config(base.format(4) + " name=w"), tmp_path)
-    run_federation(InProcessGrid(client_app, 3), *load_config(base.format(2) + " name=r"), tmp_path)
-    grid = InProcessGrid(client_app, 3)
-    resumed = run_federation(grid, *load_config(base.format(4) + " name=r resume=auto"), tmp_path)
+    whole, _ = run_in_process(base.format(4) + " name=w", tmp_path)
+    run_in_process(base.format(2) + " name=r", tmp_path)
+    resumed, grid = run_in_process(base.format(4) + " name=r resume=auto", tmp_path)
     assert resumed["rounds_completed"] == 4
     for key in ("client_epsilon_max", "client_epsilon_mean"):
         assert resumed["privacy"][key] == pytest.approx(whole["privacy"][key], rel=1e-9), key
@@ -267,7 +287,7 @@ def test_resumed_run_and_restarted_node_keep_counting_their_clients_epsilon(tmp_
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbuff strategy.buffer_size=3"])
 def test_a_node_that_lost_its_context_mid_run_continues_from_the_servers_record(tmp_path, strategy):
     overrides = f"strategy={strategy} privacy=local federation.rounds=3 train.epochs=1 name={{}}"
-    whole = run_federation(InProcessGrid(client_app, 3), *load_config(overrides.format("w")), tmp_path)
+    whole, _ = run_in_process(overrides.format("w"), tmp_path)
     grid = InProcessGrid(client_app, 3)
 
     def restart_after_round_1(node_id: int, reply: Message) -> Message:
@@ -276,7 +296,7 @@ def test_a_node_that_lost_its_context_mid_run_continues_from_the_servers_record(
         return reply
 
     grid.tamper = restart_after_round_1
-    restarted = run_federation(grid, *load_config(overrides.format("r")), tmp_path)
+    restarted, _ = run_in_process(overrides.format("r"), tmp_path, grid=grid)
     for key in ("client_epsilon_max", "client_epsilon_mean"):
         assert restarted["privacy"][key] == pytest.approx(whole["privacy"][key], rel=1e-9), key
 
@@ -312,9 +332,8 @@ def test_a_forged_history_cannot_lower_another_nodes_epsilon_and_each_node_gets_
 
     first = InProcessGrid(client_app, 3, tamper=forge)
     first.kill(1000)  # partition 0's node joins after the resume
-    run_federation(first, *load_config(overrides.format(2)), tmp_path)
-    grid = InProcessGrid(client_app, 3, tamper=forge)
-    summary = run_federation(grid, *load_config(overrides.format(3) + " resume=auto"), tmp_path)
+    run_in_process(overrides.format(2), tmp_path, grid=first)
+    summary, grid = run_in_process(overrides.format(3) + " resume=auto", tmp_path, tamper=forge)
     victim = _history(grid.contexts[1000])
     q = victim[0][1]
     per_round = round(32 / q) // 32  # train.batch_size=32: q = 32 / n, n // 32 steps a round
@@ -425,15 +444,17 @@ def test_affordable_steps_is_the_largest_count_within_the_target():
 def test_fedbuff_counts_the_epsilon_of_replies_whose_update_was_rejected(tmp_path):
     """Before, only applied updates reached the privacy summary; a node whose every update is
     rejected had spent ε that no row or summary showed."""
-    cfg, raw = load_config("strategy=fedbuff strategy.buffer_size=2 privacy=local federation.rounds=2 train.epochs=1")
 
     def reject(node_id: int, reply: Message) -> Message:
         if node_id == 1002 and not reply.has_error():
             reply.content["metrics"]["num-examples"] = -1  # screened out, every time
         return reply
 
-    grid = InProcessGrid(client_app, 3, tamper=reject)
-    summary = run_federation(grid, cfg, raw, tmp_path)
+    summary, grid = run_in_process(
+        "strategy=fedbuff strategy.buffer_size=2 privacy=local federation.rounds=2 train.epochs=1",
+        tmp_path,
+        tamper=reject,
+    )
     expected = {f"partition-{i}": _accountant_epsilon(_history(grid.contexts[1000 + i]), 1e-5) for i in range(3)}
     assert summary["privacy"]["client_epsilon"] == pytest.approx(expected, rel=1e-9)
 
@@ -442,12 +463,9 @@ def test_fedbuff_records_the_spending_of_tasks_still_out_when_it_stops(tmp_path)
     """Three nodes train at once and the run stops at version 2 (K = 1): the tasks still
     out have taken their DP-SGD steps, so the server waits for them and records them (a
     resumed run's nodes would otherwise continue from a record that misses those steps)."""
-    cfg, raw = load_config("strategy=fedbuff strategy.buffer_size=1 privacy=local federation.rounds=2 train.epochs=1")
-    grid = InProcessGrid(client_app, 3, workers=3)
-    try:
-        summary = run_federation(grid, cfg, raw, tmp_path)
-    finally:
-        grid.close()
+    summary, grid = run_in_process(
+        "strategy=fedbuff strategy.buffer_size=1 privacy=local federation.rounds=2 train.epochs=1", tmp_path, workers=3
+    )
     assert summary["fedbuff"]["tasks_sent"] >= 3
     expected = {f"partition-{i}": _accountant_epsilon(_history(grid.contexts[1000 + i]), 1e-5) for i in range(3)}
     assert summary["privacy"]["client_epsilon"] == pytest.approx(expected, rel=1e-9)
@@ -455,12 +473,11 @@ def test_fedbuff_records_the_spending_of_tasks_still_out_when_it_stops(tmp_path)
 
 def test_per_client_epsilon_survives_a_resume_for_clients_that_do_not_come_back(tmp_path):
     base = "privacy=local federation.rounds={} train.epochs=1 name=r"
-    grid = InProcessGrid(client_app, 3)
-    run_federation(grid, *load_config(base.format(2)), tmp_path)
+    _, grid = run_in_process(base.format(2), tmp_path)
     two_rounds = _accountant_epsilon(_history(grid.contexts[1002]), 1e-5)
     again = InProcessGrid(client_app, 3)
     again.kill(1002)  # partition 2 does not come back after the resume
-    resumed = run_federation(again, *load_config(base.format(3) + " resume=auto"), tmp_path)
+    resumed, _ = run_in_process(base.format(3) + " resume=auto", tmp_path, grid=again)
     three_rounds = [_accountant_epsilon(_history(again.contexts[n]), 1e-5) for n in (1000, 1001)]
     assert resumed["privacy"]["client_epsilon_mean"] == pytest.approx((sum(three_rounds) + two_rounds) / 3, rel=1e-9)
     assert resumed["privacy"]["client_epsilon"]["partition-2"] == pytest.approx(two_rounds, rel=1e-9)

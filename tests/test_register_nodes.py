@@ -5,7 +5,6 @@ directory; teardown kills its process group and anything else marked with that p
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -16,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_ports, load_script
 
-from app.tools.processes import stop_processes
+from app.tools.processes import free_ports, parse_flwr_json, stop_processes
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "register_nodes.py"
@@ -81,7 +80,7 @@ def _node_list(address: str, ca: Path, home: Path) -> list[dict]:
         ["flwr", "supernode", "list", "check", "--format", "json"],
         env=_env(home), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    answer = json.loads(proc.stdout[proc.stdout.index("{") :])
+    answer = parse_flwr_json(proc.stdout)
     assert answer["success"], answer
     return answer["nodes"]
 

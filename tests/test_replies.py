@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_reply
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 import strategies.replies as replies_module
+from app.simulation.replies import make_reply
 from strategies import tensor_ops
 from strategies.fedavg import FedAvg
 from strategies.replies import MAX_WEIGHT, InvalidReply, screen_replies, specs_of, weighted_metrics

@@ -122,18 +122,13 @@ def test_report_numbers_equal_the_runs_summaries(sweep: Path) -> None:
 def test_report_on_real_runs_and_on_a_single_run_dir(tmp_path: Path) -> None:
     """Runs written by the real ServerApp loop (in-process grid); no job.json, so the
     configuration comes from config.yaml: two seeds of one config pool into one row."""
-    from app.client_app import app as client_app
-    from app.config.compose import load_config
-    from app.run.federation import run_federation
-    from app.simulation.local_grid import InProcessGrid
+    from app.simulation.local_grid import run_in_process
 
     root = tmp_path / "runs"
     summaries = []
     for seed in (3, 4):
-        cfg, raw = load_config(
-            f"federation.rounds=2 train.epochs=1 seed={seed} name=s{seed} tracking.tensorboard=false"
-        )
-        summaries.append(run_federation(InProcessGrid(client_app, 3), cfg, raw, root))
+        overrides = f"federation.rounds=2 train.epochs=1 seed={seed} name=s{seed} tracking.tensorboard=false"
+        summaries.append(run_in_process(overrides, root)[0])
     (row,) = _read_csv(write_report(root, target=0.05)["csv"])
     assert int(row["runs"]) == 2 and row["seeds"] == "3 4"
     finals = [s["final_accuracy"] for s in summaries]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from app.simulation.local_grid import InProcessGrid
+from app.simulation.replies import make_reply
 from strategies.coordinatewise import CoordinateMedian, TrimmedMean
-from strategies.krum import Krum, MultiKrum
+from strategies.krum import Krum, MultiKrum, MultiKrumRule
 from strategies.robust_ops import coordinatewise, krum_scores, squared_distances, update_gram
 from strategies.tensor_ops import record_to_tensors
 
@@ -221,7 +221,7 @@ def test_robust_fedbuff_buffer_weighs_by_staleness_not_by_claims():
     updates = [m["w"] - b["w"] for m, b in zip(models, bases, strict=True)]
     scales = [2**-0.5, 1, 1, 1, 1]
 
-    s, new = run(MultiKrum(num_byzantine=0, num_selected=5), cap=None)  # selects all 5
+    s, new = run(MultiKrumRule(num_byzantine=0, num_selected=5), cap=None)  # selects all 5
     expected = v1["w"] + sum(sc * u for sc, u in zip(scales, updates, strict=True)) / sum(scales)
     np.testing.assert_allclose(new["w"].numpy(), expected, rtol=1e-5, atol=1e-6)
 

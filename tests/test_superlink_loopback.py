@@ -44,9 +44,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import free_ports, load_script
 
-from app.tools.processes import kill_matching, stop_processes
+from app.tools.processes import free_ports, kill_matching, parse_flwr_json, stop_processes
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 credentials = load_script("credentials")
@@ -152,7 +152,7 @@ class LoopbackRun:
         proc = self.fed.cli("list", "--run-id", self.run_id, "--format", "json")
         text = proc.stdout
         assert proc.returncode == 0 and "{" in text, f"flwr list failed:\n{text}\n{proc.stderr}"
-        return json.loads(text[text.index("{") :])["runs"][0]
+        return parse_flwr_json(text)["runs"][0]
 
     def wait(self, timeout: float, expect: str = "finished:completed") -> dict[str, Any]:
         """Wait for the run to end; check Flower's verdict `expect`, return summary.json.
@@ -381,7 +381,7 @@ class LoopbackFederation:
         proc = self.cli("supernode", "list", CONNECTION, "--format", "json")
         if proc.returncode != 0 or "{" not in proc.stdout:
             return False
-        nodes = json.loads(proc.stdout[proc.stdout.index("{") :])["nodes"]
+        nodes = parse_flwr_json(proc.stdout)["nodes"]
         online = {int(n["node-id"]) for n in nodes if n["status"] == "online"}
         return set(self.node_ids) <= online
 
@@ -494,7 +494,7 @@ def test_secure_federation_with_node_local_data_survives_a_killed_node(tmp_path:
     assert task_thief == 401, task_thief  # RUNTIME_AUTHENTICATION_FAILED: no SuperExec secret
     assert code and stranger.returncode != 0, _tail(stranger_log)
     assert "Exit Code: 305" in _tail(stranger_log), _tail(stranger_log)  # SUPERNODE_CONNECTION_ERROR
-    answer = json.loads(refused.stdout[refused.stdout.index("{") :])  # flwr exits 0 and says so in the JSON
+    answer = parse_flwr_json(refused.stdout)  # flwr exits 0 and says so in the JSON
     assert answer["success"] is False and "unavailable" in answer["error-message"], answer
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3, summary
     rows = run.metrics()
@@ -562,13 +562,9 @@ def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_
     assert [r["round"] for r in run.metrics()] == [1, 2, 3, 4]
     assert summary["privacy"]["releases"] == 4
 
-    from app.client_app import app as client_app
-    from app.config.compose import load_config
-    from app.run.federation import run_federation
-    from app.simulation.local_grid import InProcessGrid
+    from app.simulation.local_grid import run_in_process
 
-    cfg, raw = load_config(overrides.replace("resume=auto", ""))
-    whole = run_federation(InProcessGrid(client_app, 3), cfg, raw, tmp_path / "uninterrupted")
+    whole, _ = run_in_process(overrides.replace("resume=auto", ""), tmp_path / "uninterrupted")
     assert whole["privacy"]["releases"] == 4
     assert summary["privacy"]["epsilon"] == pytest.approx(whole["privacy"]["epsilon"], rel=1e-12)
 
@@ -589,7 +585,7 @@ def test_the_fleet_edge_lets_nodes_train_and_refuses_everything_else(tmp_path: P
 
     assert summary["status"] == "completed" and summary["rounds_completed"] == 1, summary
     assert runtime == 403, runtime
-    answer = json.loads(control.stdout[control.stdout.index("{") :])
+    answer = parse_flwr_json(control.stdout)
     assert answer["success"] is False, answer
     assert '"POST /v1/fleet/pull-messages' in access and "/v1/fleet/push-messages" in access
     assert '"POST /v1/control/' in access and '" 403 ' in access

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from app.client_app import app as client_app
-from app.config.compose import load_config
-from app.run.federation import run_federation
+from app.run.results import read_rows
 from app.run.tracking import Trackers, scalars
-from app.simulation.local_grid import InProcessGrid
+from app.simulation.local_grid import run_in_process
 
 
 def _run(root: Path, overrides: str) -> tuple[dict, list[dict]]:
-    cfg, raw = load_config(overrides)
-    summary = run_federation(InProcessGrid(client_app, 3), cfg, raw, root)
-    rows = [json.loads(line) for line in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
-    return summary, rows
+    """A run's summary and metrics.jsonl rows."""
+    summary, _ = run_in_process(overrides, root)
+    return summary, read_rows(summary["run_dir"])
 
 
 def test_tensorboard_has_every_rounds_metrics(tmp_path: Path) -> None:

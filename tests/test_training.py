@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import ast
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
-from app.config.schema import ConfigError, DatasetConfig, ModelConfig, TrainConfig
+from app.config.registry import Registry
+from app.config.schema import AMP_MODES, MODELS, OPTIMIZERS, ConfigError, DatasetConfig, ModelConfig, TrainConfig
 from app.task.data import DataSpec, load_splits, materialize
 from app.task.models import build_model
 from app.task.telemetry import GpuTelemetry
-from app.task.training import evaluate, prepare_model, resolve_device, resolve_precision, train
+from app.task.training import evaluate, make_optimizer, prepare_model, resolve_device, resolve_precision, train
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DIGITS = DataSpec(channels=1, height=8, width=8, num_classes=10)
 
@@ -93,6 +98,43 @@ def test_resnet18_is_adapted_for_small_images():
     assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
     assert isinstance(model.maxpool, torch.nn.Identity)
     assert 11_000_000 < sum(p.numel() for p in model.parameters()) < 11_300_000
+
+
+def test_there_is_one_training_loop():
+    """Every backward pass in the app and the strategies is in `app.task.training.fit`: DP-SGD
+    plugs its parts into that loop (app.privacy.dp_sgd.DpSgdSteps) rather than copying it."""
+    found = []
+    for path in sorted([*ROOT.glob("app/**/*.py"), *ROOT.glob("strategies/**/*.py")]):
+        tree = ast.parse(path.read_text(), str(path))
+        for func in ast.walk(tree):
+            if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "backward":
+                        found.append((path.relative_to(ROOT).as_posix(), func.name))
+    assert found and set(found) == {("app/task/training.py", "fit")}, found
+
+
+@pytest.mark.parametrize(
+    ("key", "act", "allowed"),
+    [
+        ("train.optimizer", lambda: make_optimizer(torch.nn.Linear(2, 2), TrainConfig(optimizer="lion")), OPTIMIZERS),
+        ("train.amp", lambda: resolve_precision("fp8", torch.device("cpu")), AMP_MODES),
+        ("model.name", lambda: build_model(ModelConfig(name="vit"), DIGITS), MODELS),
+    ],
+)
+def test_code_acting_on_a_name_refuses_others_with_the_schemas_list(key, act, allowed):
+    """The ClientApp gets its settings from a message that validation never saw."""
+    with pytest.raises(ConfigError, match=f"^{key}='[a-z0-9]+' is invalid: allowed: {', '.join(allowed)}$"):
+        act()
+
+
+def test_a_registry_must_implement_exactly_the_schemas_names():
+    with pytest.raises(TypeError, match=r"train.optimizer: the schema allows \['adam', 'sgd'\], the implementations"):
+        Registry("train.optimizer", ("sgd", "adam"), {"sgd": 1})
+    with pytest.raises(TypeError, match="the implementations are \\['lion', 'sgd'\\]"):
+        Registry("train.optimizer", ("sgd",), {"sgd": 1, "lion": 2})
+    built = [type(make_optimizer(torch.nn.Linear(2, 2), TrainConfig(optimizer=o))).__name__ for o in OPTIMIZERS]
+    assert [name.lower() for name in built] == list(OPTIMIZERS)  # each name builds its own optimizer
 
 
 def test_telemetry_is_absent_without_a_gpu():

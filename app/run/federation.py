@@ -9,217 +9,34 @@ hands FedBuff a callback for every server update.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
+from app.config.schema import Config, ConfigError
 from app.protocol import to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from app.run.factory import build_strategy, check_cohort, example_cap, run_privacy
 from app.run.results import RunRecorder, new_run_dir
+from app.run.rows import reply_metrics, reported, round_row, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.stragglers import client_record, straggler_factors
-from app.task.data import (
-    check_partitioning,
-    data_spec,
-    load_splits,
-    materialize,
-    partition_indices,
-    spec_to_record,
-    validation_size,
-)
+from app.task.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.task.models import build_model
 from app.task.training import evaluate, resolve_device, resolve_precision
-from strategies.central_dp import (
-    AdaptiveClip,
-    CentralDP,
-    DPFedAvg,
-    DPFedBuff,
-    PrivacyBudgetExhausted,
-    cohort_sensitivity,
-)
-from strategies.coordinatewise import CoordinateMedian, TrimmedMean
-from strategies.fedavg import FedAvg
-from strategies.fedbuff import FedBuff, VersionReport
-from strategies.krum import Krum, MultiKrum
+from strategies.central_dp import PrivacyBudgetExhausted
+from strategies.fedbuff import VersionReport
 from strategies.partitions import PartitionBinding
-from strategies.replies import InvalidReply, WeightCap
-from strategies.robust import RobustStrategy
-from strategies.staleness import staleness_fn
-
-if TYPE_CHECKING:
-    from app.privacy.local_dp import HistoryLedger
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
-
-# Row values computed from the clients' replies or from which nodes took part: no epsilon
-# covers them, so with privacy on they are recorded only with privacy.report_exact=true.
-EXACT_ROW_KEYS = (
-    "num_sampled",
-    "num_clients",
-    "num_rejected",
-    "num_missing",
-    "num_failed",
-    "num_discarded_stale",
-    "rejected",
-    "failed",
-    "node_partitions",
-    "applied",
-    "staleness",
-    "tasks_sent",
-    "robust",
-    "capped_weights",
-    "train",
-    "federated_eval",
-)
-
-
-def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> RobustStrategy:
-    robust = {**common, "num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few}
-    if name == "krum":
-        return Krum(**robust)
-    if name == "multikrum":
-        return MultiKrum(num_selected=st.num_selected, **robust)
-    if name == "median":
-        return CoordinateMedian(**robust)
-    return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
-
-
-def central_dp(cfg: Config) -> CentralDP | None:
-    """The central-DP mechanism the privacy settings ask for (None without central DP)."""
-    p = cfg.privacy
-    if not p.name.startswith("central"):
-        return None
-    adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise) if p.name == "central_adaptive" else None
-    fraction = cfg.federation.fraction_train
-    return CentralDP(
-        noise_multiplier=p.noise_multiplier,
-        clip_norm=p.clip_norm,
-        delta=p.delta,
-        sample_rate=fraction if p.poisson_sampling else 1.0,
-        sensitivity=cohort_sensitivity(
-            fedbuff=cfg.strategy.name == "fedbuff", poisson=p.poisson_sampling, fraction_train=fraction
-        ),
-        max_epsilon=p.max_epsilon,
-        adaptive=adaptive,
-    )
-
-
-def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
-    """The configured strategy; robust ones get f, m, the trim ratio and the too-few policy."""
-    f, st = cfg.federation, cfg.strategy
-    common = {
-        "fraction_train": f.fraction_train,
-        "min_train_nodes": f.min_train_nodes,
-        "fraction_evaluate": f.fraction_evaluate,
-        "min_evaluate_nodes": f.min_evaluate_nodes,
-        "min_available_nodes": f.min_available_nodes,
-        "message_ttl_s": f.message_ttl_s,
-        "device": device,
-    }
-    dp = central_dp(cfg)
-    if st.name == "fedavg" and dp is not None:
-        return DPFedAvg(dp=dp, poisson=cfg.privacy.poisson_sampling, **common)
-    if st.name == "fedavg":
-        return FedAvg(**common)
-    if st.name in ROBUST_RULES:
-        return _robust_rule(st.name, st, common)
-    if st.name == "fedbuff":
-        rule = None if st.buffer_aggregator == "mean" else _robust_rule(st.buffer_aggregator, st, common)
-        if rule is not None and (problem := rule.too_few(st.buffer_size)):
-            raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
-        kind, extra = (FedBuff, {}) if dp is None else (DPFedBuff, {"dp": dp})
-        return kind(
-            **extra,
-            buffer_size=st.buffer_size,
-            concurrency=st.concurrency,
-            max_staleness=st.max_staleness,
-            staleness=staleness_fn(st.staleness_fn, st.staleness_a, st.staleness_b),
-            staleness_name=st.staleness_fn,
-            server_lr=st.server_lr,
-            server_momentum=st.server_momentum,
-            buffer_rule=rule,
-            # One training task may take round_timeout_s; its message lives no longer.
-            message_ttl_s=f.round_timeout_s,
-            device=device,
-        )
-    raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
-
-
-def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> WeightCap:
-    """The most examples a node's reply may count for (its FedAvg / FedBuff weight).
-
-    `federation.max_examples_per_node` for every node; a node bound to a simulated
-    partition is held to what that partition really has: its training part for
-    training replies, its validation part for evaluation replies. Sizes are computed
-    the way the ClientApp splits its data (`partition_indices`, `validation_size`),
-    once per partition, when a node first claims it.
-    """
-    limit = cfg.federation.max_examples_per_node
-
-    @functools.cache
-    def train_and_validation(partition: int) -> tuple[int, int]:
-        n = len(partition_indices(labels, binding.num_partitions, partition, cfg.partition, cfg.seed))
-        held_out = validation_size(n, cfg.dataset.val_fraction)
-        return n - held_out, held_out
-
-    def cap(node_id: int, metrics: MetricRecord, kind: str) -> float:
-        partition = binding.bind(node_id, metrics.get("partition-id"))
-        if partition is None:
-            return limit
-        train, validation = train_and_validation(partition)
-        return min(limit, train if kind == MessageType.TRAIN else validation)
-
-    return cap
-
-
-def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> int:
-    """Before the first round: can the rounds' cohort ever satisfy the strategy and attack?"""
-    f = cfg.federation
-    if isinstance(strategy, FedBuff):
-        cohort = min(num_nodes, strategy.concurrency or num_nodes)
-        # Both a robust buffer and a central-DP one take at most one update per node.
-        kind = "robust" if strategy.buffer_rule is not None else "central-DP" if isinstance(strategy, DPFedBuff) else ""
-        if kind and cohort < strategy.buffer_size:
-            raise ConfigError(
-                f"strategy.buffer_size={strategy.buffer_size}: a {kind} buffer takes one update per node, but only "
-                f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={strategy.concurrency})"
-            )
-    else:
-        cohort = min(num_nodes, max(int(num_nodes * f.fraction_train), f.min_train_nodes))
-    if isinstance(strategy, RobustStrategy) and (problem := strategy.cohort_problem(cohort)):
-        raise ConfigError(
-            f"{problem} ({num_nodes} nodes, federation.fraction_train={f.fraction_train}, "
-            f"federation.min_train_nodes={f.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
-        )
-    if cfg.attack.num_malicious > num_nodes:
-        raise ConfigError(f"attack.num_malicious={cfg.attack.num_malicious} is invalid: only {num_nodes} nodes")
-    return cohort
-
-
-def node_partitions(metrics: list[tuple[int, MetricRecord]]) -> dict[str, int]:
-    """node id -> partition id, as simulated nodes report it (for reading attack results)."""
-    return {str(node): m["partition-id"] for node, m in metrics if isinstance(m.get("partition-id"), int)}
-
-
-def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
-    """(node id, metrics) of every successful reply."""
-    return [
-        (msg.metadata.src_node_id, record)
-        for msg in replies
-        if not msg.has_error()
-        for record in msg.content.metric_records.values()
-    ]
 
 
 def checkpoint_to_resume(cfg: Config, root: Path) -> Path | None:
@@ -277,7 +94,7 @@ class FederatedRun:
         random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
         self.model = build_model(cfg.model, spec)
         if cfg.privacy.name == "local":  # the clients train the Opacus-compatible model: same keys here
-            from app.privacy.local_dp import make_private_compatible
+            from app.privacy.dp_sgd import make_private_compatible
 
             self.model = make_private_compatible(self.model)
         self.arrays = ArrayRecord(self.model.state_dict())
@@ -319,7 +136,7 @@ class FederatedRun:
             len(self.test_data),
             cfg.model.name,
             sum(p.numel() for p in self.model.parameters()),
-            "versions" if isinstance(self.strategy, FedBuff) else "rounds",
+            f"{self.strategy.unit}s",
             self.first_round,
             cfg.federation.rounds,
         )
@@ -348,21 +165,13 @@ class FederatedRun:
             }
         )
         self.stop_reason = "rounds"
-        self.dp: CentralDP | None = getattr(self.strategy, "dp", None)
-        # Local DP: every client's accountant history under the server's name for it (app/privacy/local_dp.py);
-        # each training message carries only the history that can be its node's own.
-        self.local_dp: HistoryLedger | None = None
-        self.dp_rejections: list[dict[str, Any]] = []  # refused histories since the last row
-        if cfg.privacy.name == "local":
-            from app.privacy.local_dp import HistoryLedger
-
-            self.local_dp = HistoryLedger(cfg.privacy.delta, run_state.get("local_dp"))
-            self.strategy.node_config = self.local_dp_prior
-        if self.dp is not None and self.dp.delta >= 1 / len(self.nodes):
+        self.privacy = run_privacy(cfg, self.strategy, self.partitions, grid, run_state)
+        dp = getattr(self.strategy, "dp", None)
+        if dp is not None and dp.delta >= 1 / len(self.nodes):
             log.warning(
                 "privacy.delta=%g >= 1/population = 1/%d: a mechanism that leaks one whole client with "
                 "probability delta would satisfy this guarantee; use delta well below %.2g",
-                self.dp.delta,
+                dp.delta,
                 len(self.nodes),
                 1 / len(self.nodes),
             )
@@ -389,79 +198,6 @@ class FederatedRun:
             log.info("stopping after round %d: %s", rnd, self.stop_reason)
         return True
 
-    def reported(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The row as recorded: with privacy on, without EXACT_ROW_KEYS unless privacy.report_exact
-        (the log keeps them: it is the operator's, who sees every reply anyway)."""
-        p = self.cfg.privacy
-        if p.name == "none" or p.report_exact:
-            return row
-        return {k: v for k, v in row.items() if k not in EXACT_ROW_KEYS}
-
-    def privacy_row(self) -> dict[str, Any]:
-        """This round's privacy numbers: central epsilon and clip, or local DP epsilons per client."""
-        if self.dp is not None:
-            dp = self.dp
-            row: dict[str, Any] = {"epsilon": dp.epsilon(), "clip_norm": dp.clip_norm, "releases": dp.releases}
-            if dp.adaptive is not None:  # b̃ was released (noised, accounted): covered by epsilon
-                row["noised_unclipped_fraction"] = dp.last_noised_unclipped_fraction
-            if self.cfg.privacy.report_exact:
-                row["clipped_fraction"] = dp.last_clipped_fraction
-            return row
-        if self.local_dp is None:
-            return {}
-        # Over every client on record (this run's and, after a resume, earlier ones), by the server's accountant.
-        eps = list(self.local_dp.epsilons().values())
-        row = {"client_epsilon_max": max(eps), "client_epsilon_mean": sum(eps) / len(eps)} if eps else {}
-        if self.dp_rejections:
-            row["dp_history_rejected"], self.dp_rejections = self.dp_rejections, []
-        return row
-
-    def local_dp_prior(self, node_id: int) -> dict[str, str]:
-        """Local DP: what a training message to `node_id` adds to its config (strategy.node_config)."""
-        assert self.local_dp is not None
-        partition, connected = self.partitions.partition_of(node_id), set(self.grid.get_node_ids())
-        return self.local_dp.prior(node_id, partition, self.partitions.unbound(), connected)
-
-    def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
-        """Local DP: keep every reply's accountant history, whatever becomes of its update (the steps
-        were taken either way), under the node's bound partition or its node id, never the reply's
-        claim alone. A malformed or shrinking history is logged and listed in the next row
-        (`dp_history_rejected`); the one on record stays."""
-        if self.local_dp is None:
-            return
-        from app.privacy.local_dp import MalformedHistory, history_key
-
-        for node, metrics in client_metrics:
-            try:
-                partition = self.partitions.bind(node, metrics.get("partition-id"))
-            except InvalidReply:  # a contested claim: the screening rejects the reply; the history is the node's
-                partition = self.partitions.partition_of(node)
-            key = history_key(partition, node)
-            try:
-                self.local_dp.record(key, node, metrics)
-            except MalformedHistory as err:
-                log.warning("node %s: local-DP accountant history for %s refused: %s", node, key, err)
-                self.dp_rejections.append({"node_id": node, "key": key, "reason": str(err)})
-
-    def privacy_summary(self) -> dict[str, Any]:
-        p = self.cfg.privacy
-        if self.dp is not None:
-            return self.dp.summary()
-        if self.local_dp is not None:
-            per_client = self.local_dp.epsilons()  # bound partition or node id -> epsilon
-            eps = list(per_client.values())
-            return {
-                "mechanism": "local DP-SGD (Opacus), sample-level per client",
-                "client_epsilon_max": max(eps) if eps else None,
-                "client_epsilon_mean": sum(eps) / len(eps) if eps else None,
-                "client_epsilon": per_client,
-                "delta": p.delta,
-                "noise_multiplier": p.noise_multiplier,
-                "target_epsilon": p.target_epsilon or None,
-                "clip_norm": p.clip_norm,
-            }
-        return {"mechanism": "none"}
-
     def save_state(self, rnd: int, wall_time_s: float) -> None:
         """Checkpoint the model after `rnd` with the privacy spent so far: central DP's accountant is
         in the strategy's state, local DP's histories in the run's."""
@@ -473,30 +209,33 @@ class FederatedRun:
                 self.strategy.state_dict(),
                 capture_rng(),
                 wall_time_s,
-                run_state={"local_dp": self.local_dp.state()} if self.local_dp is not None else {},
+                run_state=self.privacy.state(),
             ),
         )
 
     def finish_round(self, rnd: int, row: dict[str, Any]) -> None:
-        row.update(self.privacy_row())
-        if "epsilon" in row or "client_epsilon_max" in row:
-            log.info(
-                "[%s %d] privacy: %s",
-                "version" if "version" in row else "round",
-                rnd,
-                f"epsilon {row['epsilon']:.3f} (delta {self.dp.delta:g}), clip {row['clip_norm']:.4g}"
-                if self.dp is not None
-                else f"client epsilon max {row['client_epsilon_max']:.3f}, mean {row['client_epsilon_mean']:.3f}",
-            )
+        row.update(self.privacy.row())
+        if (described := self.privacy.describe(row)) is not None:
+            log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
         # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
         self.save_state(rnd, row["wall_time_s"])
-        self.recorder.log_round(row)
+        self.recorder.log_round(reported(row, self.cfg.privacy))
+
+    def timed_row(self, rnd: int, accuracy: float | None, loss: float | None, step_s: float) -> dict[str, Any]:
+        """The columns every row starts with."""
+        return {
+            "round": rnd,
+            "accuracy": accuracy,
+            "loss": loss,
+            "wall_time_s": self.elapsed(),
+            "round_time_s": step_s,
+        }
 
     # --- synchronous rounds ------------------------------------------------------
     def run_rounds(self) -> None:
         strategy, grid, cfg = self.strategy, self.grid, self.cfg
-        assert isinstance(strategy, FedAvg)
         timeout = cfg.federation.round_timeout_s
+        federated_eval = cfg.federation.fraction_evaluate > 0
         for rnd in range(self.first_round, cfg.federation.rounds + 1):
             t0 = time.time()
             config = ConfigRecord(self.client_config)
@@ -504,42 +243,27 @@ class FederatedRun:
                 grid.send_and_receive(strategy.configure_train(rnd, self.arrays, config, grid), timeout=timeout)
             )
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
-            client_metrics = reply_metrics(replies)
-            self.record_spending(client_metrics)
-            if self.local_dp is not None or (self.dp is not None and cfg.federation.fraction_evaluate > 0):
-                # Spending that has left the server (local DP: the clients' steps; central DP: the release,
-                # once federated evaluation sends it out) goes on record before anything else can crash:
+            self.privacy.record_spending(reply_metrics(replies))
+            if self.privacy.spent_before_release(federated_eval):
+                # Spending that has left the server goes on record before anything else can crash:
                 # the previous model with this round's spending, so a crash before the round's own
-                # checkpoint re-runs the round, charged twice, never zero times. A central release that
-                # nobody has seen yet needs no such record: re-running its round releases it afresh.
+                # checkpoint re-runs the round, charged twice, never zero times.
                 self.save_state(rnd - 1, self.elapsed())
             report = strategy.train_report
             if new_arrays is not None:
                 self.arrays = new_arrays
             fed_eval: MetricRecord | None = None
-            if cfg.federation.fraction_evaluate > 0:
+            if federated_eval:
                 eval_msgs = strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid)
                 fed_eval = strategy.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
             loss, acc = self.central_eval(self.arrays)
             row = {
-                "round": rnd,
-                "accuracy": acc,
-                "loss": loss,
-                "wall_time_s": self.elapsed(),
-                "round_time_s": time.time() - t0,
-                "num_sampled": report.sampled,
-                "num_clients": len(report.accepted),
-                "num_rejected": len(report.rejected),
-                "num_missing": report.sampled - len(replies),
-                "model_updated": new_arrays is not None,
-                "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
-                "capped_weights": report.capped,
-                "robust": report.robust_row() if isinstance(strategy, RobustStrategy) else None,
-                "node_partitions": node_partitions(client_metrics),
-                "train": dict(train_metrics) if train_metrics else {},
-                "federated_eval": dict(fed_eval) if fed_eval else {},
+                **self.timed_row(rnd, acc, loss, time.time() - t0),
+                **round_row(
+                    rnd, report, replies, strategy.robust_row(), new_arrays is not None, train_metrics, fed_eval
+                ),
             }
-            self.finish_round(rnd, self.reported(row))
+            self.finish_round(rnd, row)
             log.info(
                 "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
                 rnd,
@@ -557,13 +281,12 @@ class FederatedRun:
     # --- asynchronous versions (FedBuff) ---------------------------------------------
     def run_versions(self) -> None:
         strategy, cfg = self.strategy, self.cfg
-        assert isinstance(strategy, FedBuff)
         budget = cfg.federation.max_wall_time_s
         last = time.time()
 
         def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
             nonlocal last
-            self.record_spending(report.client_metrics)
+            self.privacy.record_spending(report.client_metrics)
             self.arrays = arrays
             v = report.version
             evaluate_now = (
@@ -573,27 +296,9 @@ class FederatedRun:
             )
             loss, acc = self.central_eval(arrays) if evaluate_now else (None, None)
             now = time.time()
-            row = {
-                "round": v,
-                "version": v,
-                "accuracy": acc,
-                "loss": loss,
-                "wall_time_s": self.elapsed(),
-                "round_time_s": now - last,
-                "num_clients": len(report.applied),
-                "staleness": [u["staleness"] for u in report.applied],
-                "applied": report.applied,
-                "num_discarded_stale": report.discarded_stale,
-                "num_rejected": len(report.rejected),
-                "num_failed": len(report.failed),
-                "rejected": [{"node_id": r.node_id, "reason": r.reason} for r in report.rejected],
-                "failed": [{"node_id": r.node_id, "reason": r.reason} for r in report.failed],
-                "robust": report.robust,
-                "tasks_sent": strategy.tasks_sent,
-                "train": dict(report.metrics) if report.metrics else {},
-            }
+            row = {**self.timed_row(v, acc, loss, now - last), **version_row(report, strategy.tasks_sent)}
             last = now
-            self.finish_round(v, self.reported(row))
+            self.finish_round(v, row)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
@@ -615,12 +320,12 @@ class FederatedRun:
             on_version,
             first_version=self.first_round - 1,
             deadline=deadline,
-            drain=self.local_dp is not None,
+            drain=self.privacy.drain,
         )
-        if self.local_dp is not None and strategy.report.client_metrics:
+        if self.privacy.drain and strategy.report.client_metrics:
             # Replies after the last version (and the tasks still out at the stop, drained) spent their
             # steps too: on record and checkpointed.
-            self.record_spending(strategy.report.client_metrics)
+            self.privacy.record_spending(strategy.report.client_metrics)
             self.save_state(strategy.version, self.elapsed())
         if deadline is not None and time.monotonic() >= deadline:
             self.stop_reason = f"wall-clock budget {budget:.0f} s spent"
@@ -643,10 +348,7 @@ class FederatedRun:
         status = "failed"
         try:
             try:
-                if isinstance(self.strategy, FedBuff):
-                    self.run_versions()
-                else:
-                    self.run_rounds()
+                self.run_versions() if self.strategy.asynchronous else self.run_rounds()
             except PrivacyBudgetExhausted as err:
                 self.stop_reason = str(err)
                 log.warning("stopping: %s; the saved model is the last one released within the budget", err)
@@ -662,16 +364,11 @@ class FederatedRun:
                 "stop_reason": self.stop_reason if status == "completed" else None,
                 "attack": {**asdict(cfg.attack), "malicious_partitions": self.attacked},
                 "stragglers": {**asdict(cfg.stragglers), "slowdown_per_partition": self.slowdowns},
-                "privacy": self.privacy_summary(),
+                "privacy": self.privacy.summary(),
                 "final_model": str(self.recorder.final_model_path),
                 "checkpoint": str(self.recorder.checkpoint_path),
+                **self.strategy.run_summary(),
             }
-            if isinstance(self.strategy, FedBuff):
-                extra["fedbuff"] = {
-                    "versions": self.strategy.version,
-                    "tasks_sent": self.strategy.tasks_sent,
-                    "discarded_stale": self.strategy.discarded_total,
-                }
             if status == "completed":
                 extra.update(self.final_evaluation())
             summary = self.recorder.finish(status, self.elapsed(), extra)

@@ -84,6 +84,15 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A run's summary.json; None while it has none (the run is going, or it crashed) or the
+    file cannot be read as JSON."""
+    try:
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class RunRecorder:
     """Appends one JSON line per round and writes the summary and plot at the end."""
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from app.config.schema import ConfigError, ModelConfig
+from app.config.registry import Registry
+from app.config.schema import MODELS, ModelConfig
 from app.task.data import DataSpec
 
 
@@ -51,10 +54,13 @@ def resnet18_small(spec: DataSpec) -> nn.Module:
     return model
 
 
+_MODELS: Registry[Callable[[ModelConfig, DataSpec], nn.Module]] = Registry(
+    "model.name",
+    MODELS,
+    {"cnn": lambda cfg, spec: SmallCNN(spec, cfg.width), "resnet18": lambda cfg, spec: resnet18_small(spec)},
+)
+
+
 def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
     """The configured model for data of the given shape."""
-    if cfg.name == "cnn":
-        return SmallCNN(spec, cfg.width)
-    if cfg.name == "resnet18":
-        return resnet18_small(spec)
-    raise ConfigError(f"model.name={cfg.name!r} is invalid: allowed: cnn, resnet18")
+    return _MODELS[cfg.name](cfg, spec)

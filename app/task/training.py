@@ -12,18 +12,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.config.schema import ConfigError, TrainConfig
+from app.config.registry import Registry
+from app.config.schema import AMP_MODES, AMP_PRECISIONS, OPTIMIZERS, ConfigError, TrainConfig
 from app.task.data import ImageTensors
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
-_AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}
+_AMP_DTYPES = Registry("train.amp", AMP_PRECISIONS, {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None})
+_OPTIMIZERS: Registry[Callable[[list[nn.Parameter], TrainConfig], torch.optim.Optimizer]] = Registry(
+    "train.optimizer",
+    OPTIMIZERS,
+    {
+        "sgd": lambda p, cfg: torch.optim.SGD(p, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay),
+        "adam": lambda p, cfg: torch.optim.Adam(p, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        "adamw": lambda p, cfg: torch.optim.AdamW(p, lr=cfg.lr, weight_decay=cfg.weight_decay),
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_precision(amp: str, device: torch.device) -> Precision:
     """Map the configured AMP mode to one this device supports (and say so when it differs)."""
-    if amp not in ("auto", *_AMP_DTYPES):
-        raise ConfigError(f"train.amp={amp!r} is invalid: allowed: auto, fp16, bf16, off")
+    if amp not in AMP_MODES:
+        raise ConfigError(f"train.amp={amp!r} is invalid: allowed: {', '.join(AMP_MODES)}")
     if device.type == "cuda":
         if amp == "auto":
             amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -103,13 +114,7 @@ def model_inputs(x: torch.Tensor, precision: Precision) -> torch.Tensor:
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ConfigError(f"train.optimizer={cfg.optimizer!r} is invalid: allowed: sgd, adam, adamw")
+    return _OPTIMIZERS[cfg.optimizer](params, cfg)
 
 
 def batch_indices(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[torch.Tensor]:
@@ -142,46 +147,92 @@ def start_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Precision, seed: int) -> TrainStats:
-    """`cfg.epochs` epochs of mini-batch training; the model is updated in place.
+class Steps:
+    """What one training step does around the forward and backward pass of `fit`.
+
+    This base is plain mini-batch training: a seeded shuffle per epoch, the configured
+    optimizer, train.grad_clip. DP-SGD (`app.privacy.dp_sgd.DpSgdSteps`) overrides the
+    parts it changes (Opacus's optimizer, Poisson batches, precision, fp32 grad samples,
+    noise-only steps), so that the loop itself is written once.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, precision: Precision, generator: torch.Generator) -> None:
+        self.model, self.cfg, self.precision, self.generator = model, cfg, precision, generator
+        self.net: nn.Module = model  # what the loop calls (DP-SGD: a per-example-gradient wrapper)
+        self.optimizer = make_optimizer(model, cfg)
+
+    def batches(self, n: int) -> Iterator[torch.Tensor]:
+        """Index tensors on the device, one per step, drawn with `generator`."""
+        for _ in range(self.cfg.epochs):
+            yield from batch_indices(n, self.cfg.batch_size, self.generator, self.precision.device)
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return model_inputs(x, self.precision)
+
+    def before_step(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Between backward and the optimizer step: train.grad_clip (on unscaled gradients)."""
+        if self.cfg.grad_clip > 0:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+
+    def empty_step(self) -> None:
+        """A step on a batch without examples; `batch_indices` never draws one."""
+
+    def close(self) -> None:
+        """After the loop, also when it fails."""
+
+
+def fit(steps: Steps, data: ImageTensors) -> TrainStats:
+    """The training loop, for plain training and DP-SGD alike; `steps.model` is updated in place.
 
     Loss and accuracy are tallied once after the loop from the kept per-step losses
     and logits (N x classes values): per-step tallies cost ~3% of a small model's step.
+    Every step counts, an empty batch's too (DP-SGD's noise-only step).
     """
+    precision, optimizer = steps.precision, steps.optimizer
     device = precision.device
-    model.train()
-    optimizer = make_optimizer(model, cfg)
+    steps.net.train()
     scaler = torch.amp.GradScaler(device.type) if precision.amp == "fp16" else None
-    generator = torch.Generator().manual_seed(seed)
     on_device = to_device(data, device)
     losses: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
+    taken = 0
     start = start_clock(device)
-    for _ in range(cfg.epochs):
-        for idx in batch_indices(len(data), cfg.batch_size, generator, device):
-            xb, yb = model_inputs(on_device.x[idx], precision), on_device.y[idx]
-            with autocast(precision):
-                logits = model(xb)
-                loss = F.cross_entropy(logits, yb)
+    try:
+        for idx in steps.batches(len(data)):
+            taken += 1
             optimizer.zero_grad(set_to_none=True)
+            if len(idx) == 0:
+                steps.empty_step()
+                continue
+            xb, yb = steps.inputs(on_device.x[idx]), on_device.y[idx]
+            with autocast(precision):
+                logits = steps.net(xb)
+                loss = F.cross_entropy(logits, yb)
             if scaler is None:
                 loss.backward()
-                if cfg.grad_clip > 0:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                steps.before_step(None)
                 optimizer.step()
             else:
                 scaler.scale(loss).backward()
-                if cfg.grad_clip > 0:
-                    scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                steps.before_step(scaler)
                 scaler.step(optimizer)
                 scaler.update()
             losses.append(loss.detach())
             outputs.append(logits.detach())
             labels.append(yb)
-    synchronize(device)
-    return train_stats(losses, outputs, labels, len(data), time.perf_counter() - start, device)
+        synchronize(device)
+        wall = time.perf_counter() - start
+    finally:
+        steps.close()
+    return train_stats(losses, outputs, labels, len(data), wall, device, taken)
+
+
+def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Precision, seed: int) -> TrainStats:
+    """`cfg.epochs` epochs of mini-batch training; the model is updated in place."""
+    return fit(Steps(model, cfg, precision, torch.Generator().manual_seed(seed)), data)
 
 
 def train_stats(
@@ -191,12 +242,9 @@ def train_stats(
     num_examples: int,
     wall: float,
     device: torch.device,
-    steps: int | None = None,
+    steps: int,
 ) -> TrainStats:
-    """Tally the kept per-step mean losses, logits and labels once, after the loop.
-
-    `steps` defaults to the number of kept batches (DP-SGD also steps on empty batches).
-    """
+    """Tally the kept per-step mean losses, logits and labels once, after the loop."""
     seen = sum(len(y) for y in labels)
     if seen:
         sizes = torch.tensor([len(y) for y in labels], dtype=torch.float32)
@@ -209,7 +257,7 @@ def train_stats(
         loss=loss_mean,
         accuracy=accuracy,
         num_examples=num_examples,
-        steps=len(labels) if steps is None else steps,
+        steps=steps,
         samples_per_s=seen / wall if wall > 0 else 0.0,
         wall_time_s=wall,
         peak_gpu_mem_mb=peak,

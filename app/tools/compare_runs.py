@@ -9,11 +9,10 @@ which is why the left panel is the one to read when comparing FedAvg and FedBuff
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.run.results import read_rows
+from app.run.results import read_rows, read_summary
 
 
 def read_curve(run_dir: Path) -> tuple[list[float], list[int], list[float]]:
@@ -66,7 +65,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     labels = []
     for run in args.runs:
-        summary = run / "summary.json"
-        strategy = json.loads(summary.read_text()).get("strategy", "") if summary.is_file() else ""
+        strategy = (read_summary(run) or {}).get("strategy", "")
         labels.append(f"{run.name} ({strategy})" if strategy else run.name)
     print(plot_runs(list(zip(labels, args.runs, strict=True)), args.out, target=args.target))

@@ -1,5 +1,5 @@
 """Finding and stopping the real Flower processes started under one private FLWR_HOME
-(a sweep job's, a test's), and free ports for them.
+(a sweep job's, a test's), free ports for them, and the `flwr` CLI and its JSON answers.
 
 Every such process has its private directory (its FLWR_HOME) in its command line or
 environment; that path is the marker. Flower detaches some of them (the SuperLink's
@@ -9,6 +9,7 @@ search follows sessions and descendants too.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _proc_table() -> dict[int, tuple[str, int, int]]:
@@ -121,3 +123,13 @@ def flwr_cli() -> str:
     if not found:
         raise RuntimeError("the `flwr` CLI is not installed in this environment: pip install -e . (or flwr)")
     return found
+
+
+def parse_flwr_json(output: str) -> dict[str, Any]:
+    """The JSON answer in the stdout of `flwr ... --format json`: from its first "{" on, as
+    Flower may print log lines before it. ValueError when there is none (a
+    json.JSONDecodeError, also a ValueError, when it is not valid JSON)."""
+    start = output.find("{")
+    if start < 0:
+        raise ValueError(f"no JSON answer in flwr's output: {output[-500:]!r}")
+    return json.loads(output[start:])

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from app.run.results import read_rows
+from app.run.results import read_rows, read_summary
 from app.run.tracking import flat_params
 
 DEFAULT_TARGET = 0.95
@@ -73,7 +73,7 @@ def _load_json(path: Path) -> dict[str, Any] | None:
 
 def load_run(path: Path) -> Run:
     job = _load_json(path / "job.json") or {}
-    summary = _load_json(path / "summary.json")
+    summary = read_summary(path)
     overrides = job.get("overrides")
     if overrides is None and (path / ".hydra" / "overrides.yaml").is_file():
         overrides = yaml.safe_load((path / ".hydra" / "overrides.yaml").read_text()) or []

@@ -39,7 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from app.config.compose import CONF_DIR, to_typed
 from app.config.schema import ConfigError
 from app.config.validate import validate
-from app.tools.processes import flwr_cli, free_ports, stop_processes
+from app.run.results import read_summary
+from app.tools.processes import flwr_cli, free_ports, parse_flwr_json, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +105,8 @@ def write_job(job_dir: Path, record: dict[str, Any]) -> None:
 
 def completed_summary(job_dir: Path) -> dict[str, Any] | None:
     """The run's summary.json if the run completed (the ServerApp writes it last)."""
-    try:
-        summary = json.loads((job_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("status") == "completed" else None
+    summary = read_summary(job_dir)
+    return summary if summary is not None and summary.get("status") == "completed" else None
 
 
 def app_overrides(task: list[str]) -> list[str]:
@@ -169,7 +167,7 @@ def run_status(env: dict[str, str], run_id: str, deadline: float) -> dict[str, A
         )
         text = proc.stdout
         if proc.returncode == 0 and "{" in text:
-            runs = json.loads(text[text.index("{") :]).get("runs") or [{}]
+            runs = parse_flwr_json(text).get("runs") or [{}]
             row = runs[0]
             if str(row.get("status", "")).startswith("finished"):
                 return row

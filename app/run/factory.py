@@ -1,0 +1,163 @@
+"""From the config to the objects a run is made of: the strategy (with its central-DP
+mechanism or robust rule), the cap on each reply's weight, the privacy book-keeping, and
+the start-up checks that the cohort can ever satisfy them."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import MessageType, MetricRecord
+from flwr.serverapp import Grid
+
+from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
+from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
+from app.task.data import partition_indices, validation_size
+from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
+from strategies.coordinatewise import CoordinateMedian, TrimmedMean
+from strategies.fedavg import FedAvg
+from strategies.fedbuff import FedBuff
+from strategies.krum import Krum, MultiKrum
+from strategies.partitions import PartitionBinding
+from strategies.replies import WeightCap
+from strategies.robust import RobustStrategy
+from strategies.staleness import staleness_fn
+
+
+def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> RobustStrategy:
+    robust = {**common, "num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few}
+    if name == "krum":
+        return Krum(**robust)
+    if name == "multikrum":
+        return MultiKrum(num_selected=st.num_selected, **robust)
+    if name == "median":
+        return CoordinateMedian(**robust)
+    return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
+
+
+def central_dp(cfg: Config) -> CentralDP | None:
+    """The central-DP mechanism the privacy settings ask for (None without central DP)."""
+    p = cfg.privacy
+    if not p.name.startswith("central"):
+        return None
+    adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise) if p.name == "central_adaptive" else None
+    fraction = cfg.federation.fraction_train
+    return CentralDP(
+        noise_multiplier=p.noise_multiplier,
+        clip_norm=p.clip_norm,
+        delta=p.delta,
+        sample_rate=fraction if p.poisson_sampling else 1.0,
+        sensitivity=cohort_sensitivity(
+            fedbuff=cfg.strategy.name == "fedbuff", poisson=p.poisson_sampling, fraction_train=fraction
+        ),
+        max_epsilon=p.max_epsilon,
+        adaptive=adaptive,
+    )
+
+
+def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
+    """The configured strategy; robust ones get f, m, the trim ratio and the too-few policy."""
+    f, st = cfg.federation, cfg.strategy
+    common = {
+        "fraction_train": f.fraction_train,
+        "min_train_nodes": f.min_train_nodes,
+        "fraction_evaluate": f.fraction_evaluate,
+        "min_evaluate_nodes": f.min_evaluate_nodes,
+        "min_available_nodes": f.min_available_nodes,
+        "message_ttl_s": f.message_ttl_s,
+        "device": device,
+    }
+    dp = central_dp(cfg)
+    if st.name == "fedavg" and dp is not None:
+        return DPFedAvg(dp=dp, poisson=cfg.privacy.poisson_sampling, **common)
+    if st.name == "fedavg":
+        return FedAvg(**common)
+    if st.name in ROBUST_RULES:
+        return _robust_rule(st.name, st, common)
+    if st.name == "fedbuff":
+        rule = None if st.buffer_aggregator == "mean" else _robust_rule(st.buffer_aggregator, st, common).rule
+        if rule is not None and (problem := rule.too_few(st.buffer_size)):
+            raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
+        kind, extra = (FedBuff, {}) if dp is None else (DPFedBuff, {"dp": dp})
+        return kind(
+            **extra,
+            buffer_size=st.buffer_size,
+            concurrency=st.concurrency,
+            max_staleness=st.max_staleness,
+            staleness=staleness_fn(st.staleness_fn, st.staleness_a, st.staleness_b),
+            staleness_name=st.staleness_fn,
+            server_lr=st.server_lr,
+            server_momentum=st.server_momentum,
+            buffer_rule=rule,
+            # One training task may take round_timeout_s; its message lives no longer.
+            message_ttl_s=f.round_timeout_s,
+            device=device,
+        )
+    raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
+
+
+def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> WeightCap:
+    """The most examples a node's reply may count for (its FedAvg / FedBuff weight).
+
+    `federation.max_examples_per_node` for every node; a node bound to a simulated
+    partition is held to what that partition really has: its training part for
+    training replies, its validation part for evaluation replies. Sizes are computed
+    the way the ClientApp splits its data (`partition_indices`, `validation_size`),
+    once per partition, when a node first claims it.
+    """
+    limit = cfg.federation.max_examples_per_node
+
+    @functools.cache
+    def train_and_validation(partition: int) -> tuple[int, int]:
+        n = len(partition_indices(labels, binding.num_partitions, partition, cfg.partition, cfg.seed))
+        held_out = validation_size(n, cfg.dataset.val_fraction)
+        return n - held_out, held_out
+
+    def cap(node_id: int, metrics: MetricRecord, kind: str) -> float:
+        partition = binding.bind(node_id, metrics.get("partition-id"))
+        if partition is None:
+            return limit
+        train, validation = train_and_validation(partition)
+        return min(limit, train if kind == MessageType.TRAIN else validation)
+
+    return cap
+
+
+def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> int:
+    """Before the first round: can the rounds' cohort ever satisfy the strategy and attack?"""
+    f = cfg.federation
+    if isinstance(strategy, FedBuff):
+        cohort = min(num_nodes, strategy.concurrency or num_nodes)
+        # Both a robust buffer and a central-DP one take at most one update per node.
+        kind = "robust" if strategy.buffer_rule is not None else "central-DP" if isinstance(strategy, DPFedBuff) else ""
+        if kind and cohort < strategy.buffer_size:
+            raise ConfigError(
+                f"strategy.buffer_size={strategy.buffer_size}: a {kind} buffer takes one update per node, but only "
+                f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={strategy.concurrency})"
+            )
+    else:
+        cohort = min(num_nodes, max(int(num_nodes * f.fraction_train), f.min_train_nodes))
+    if isinstance(strategy, RobustStrategy) and (problem := strategy.cohort_problem(cohort)):
+        raise ConfigError(
+            f"{problem} ({num_nodes} nodes, federation.fraction_train={f.fraction_train}, "
+            f"federation.min_train_nodes={f.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
+        )
+    if cfg.attack.num_malicious > num_nodes:
+        raise ConfigError(f"attack.num_malicious={cfg.attack.num_malicious} is invalid: only {num_nodes} nodes")
+    return cohort
+
+
+def run_privacy(
+    cfg: Config, strategy: FedAvg | FedBuff, partitions: PartitionBinding, grid: Grid, state: dict[str, Any]
+) -> RunPrivacy:
+    """The run's privacy book-keeping for `privacy.name`; local DP also gives the strategy each
+    node's own accountant history to send (`strategy.node_config`)."""
+    p = cfg.privacy
+    if p.name == "local":
+        local = LocalPrivacy(p, partitions, grid, state.get("local_dp"))
+        strategy.node_config = local.prior
+        return local
+    dp: CentralDP | None = getattr(strategy, "dp", None)
+    return NoPrivacy() if dp is None else CentralPrivacy(dp, p.report_exact)

@@ -1,0 +1,152 @@
+"""What the server's run keeps about privacy, one object per mode: its metrics.jsonl columns,
+its summary, what it checkpoints and when spending has left the server.
+
+The round loops ask this object instead of checking `privacy.name`; the mechanisms
+themselves live in strategies/central_dp.py (central) and app/privacy/ (local DP-SGD).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flwr.app import MetricRecord
+from flwr.serverapp import Grid
+
+from app.config.schema import PrivacyConfig
+from app.privacy.accounting import HistoryLedger, MalformedHistory, history_key
+from strategies.central_dp import CentralDP
+from strategies.partitions import PartitionBinding
+from strategies.replies import InvalidReply
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+
+class NoPrivacy:
+    """privacy=none: nothing to account, report or checkpoint."""
+
+    drain = False  # FedBuff: leave tasks in flight at the stop (their replies spend nothing)
+
+    def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
+        """Note what the replies spent (nothing here)."""
+
+    def spent_before_release(self, federated_eval: bool) -> bool:
+        """Has this round's spending left the server before its checkpoint (so that a crash must
+        find it on record)?"""
+        return False
+
+    def row(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self, row: dict[str, Any]) -> str | None:
+        """The log line for a row's privacy columns."""
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        return {"mechanism": "none"}
+
+    def state(self) -> dict[str, Any]:
+        """The run state to checkpoint (central DP's accountant is in the strategy's own state)."""
+        return {}
+
+
+class CentralPrivacy(NoPrivacy):
+    """Central DP: the strategy's mechanism releases noised aggregates and keeps the accountant."""
+
+    def __init__(self, dp: CentralDP, report_exact: bool) -> None:
+        self.dp, self.report_exact = dp, report_exact
+
+    def spent_before_release(self, federated_eval: bool) -> bool:
+        # Federated evaluation sends the release out before the round's checkpoint; a release
+        # nobody has seen yet needs no record: re-running its round releases it afresh.
+        return federated_eval
+
+    def row(self) -> dict[str, Any]:
+        dp = self.dp
+        row: dict[str, Any] = {"epsilon": dp.epsilon(), "clip_norm": dp.clip_norm, "releases": dp.releases}
+        if dp.adaptive is not None:  # b̃ was released (noised, accounted): covered by epsilon
+            row["noised_unclipped_fraction"] = dp.last_noised_unclipped_fraction
+        if self.report_exact:
+            row["clipped_fraction"] = dp.last_clipped_fraction
+        return row
+
+    def describe(self, row: dict[str, Any]) -> str | None:
+        return f"epsilon {row['epsilon']:.3f} (delta {self.dp.delta:g}), clip {row['clip_norm']:.4g}"
+
+    def summary(self) -> dict[str, Any]:
+        return self.dp.summary()
+
+
+class LocalPrivacy(NoPrivacy):
+    """Local DP-SGD: every client's accountant history under the server's name for it
+    (app/privacy/); each training message carries only the history that can be its node's own."""
+
+    drain = True  # FedBuff waits for the tasks in flight: their steps are spent either way
+
+    def __init__(
+        self, cfg: PrivacyConfig, partitions: PartitionBinding, grid: Grid, state: dict[str, Any] | None
+    ) -> None:
+        self.cfg, self.partitions, self.grid = cfg, partitions, grid
+        self.ledger = HistoryLedger(cfg.delta, state)
+        self.rejections: list[dict[str, Any]] = []  # refused histories since the last row
+
+    def prior(self, node_id: int) -> dict[str, str]:
+        """What a training message to `node_id` adds to its config (the strategy's node_config)."""
+        partition, connected = self.partitions.partition_of(node_id), set(self.grid.get_node_ids())
+        return self.ledger.prior(node_id, partition, self.partitions.unbound(), connected)
+
+    def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
+        """Keep every reply's accountant history, whatever becomes of its update (the steps were
+        taken either way), under the node's bound partition or its node id, never the reply's
+        claim alone. A malformed or shrinking history is logged and listed in the next row
+        (`dp_history_rejected`); the one on record stays."""
+        for node, metrics in client_metrics:
+            try:
+                partition = self.partitions.bind(node, metrics.get("partition-id"))
+            except InvalidReply:  # a contested claim: the screening rejects the reply; the history is the node's
+                partition = self.partitions.partition_of(node)
+            key = history_key(partition, node)
+            try:
+                self.ledger.record(key, node, metrics)
+            except MalformedHistory as err:
+                log.warning("node %s: local-DP accountant history for %s refused: %s", node, key, err)
+                self.rejections.append({"node_id": node, "key": key, "reason": str(err)})
+
+    def spent_before_release(self, federated_eval: bool) -> bool:
+        return True  # the clients took their steps before replying
+
+    def row(self) -> dict[str, Any]:
+        # Over every client on record (this run's and, after a resume, earlier ones), by the server's accountant.
+        eps = list(self.ledger.epsilons().values())
+        row: dict[str, Any] = (
+            {"client_epsilon_max": max(eps), "client_epsilon_mean": sum(eps) / len(eps)} if eps else {}
+        )
+        if self.rejections:
+            row["dp_history_rejected"], self.rejections = self.rejections, []
+        return row
+
+    def describe(self, row: dict[str, Any]) -> str | None:
+        if "client_epsilon_max" not in row:
+            return None
+        return f"client epsilon max {row['client_epsilon_max']:.3f}, mean {row['client_epsilon_mean']:.3f}"
+
+    def summary(self) -> dict[str, Any]:
+        per_client = self.ledger.epsilons()  # bound partition or node id -> epsilon
+        eps = list(per_client.values())
+        p = self.cfg
+        return {
+            "mechanism": "local DP-SGD (Opacus), sample-level per client",
+            "client_epsilon_max": max(eps) if eps else None,
+            "client_epsilon_mean": sum(eps) / len(eps) if eps else None,
+            "client_epsilon": per_client,
+            "delta": p.delta,
+            "noise_multiplier": p.noise_multiplier,
+            "target_epsilon": p.target_epsilon or None,
+            "clip_norm": p.clip_norm,
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {"local_dp": self.ledger.state()}
+
+
+RunPrivacy = NoPrivacy | CentralPrivacy | LocalPrivacy

@@ -1,0 +1,109 @@
+"""The rows of metrics.jsonl: one per synchronous round or FedBuff version.
+
+Built here from the strategies' reports so that the round loops only decide *when*
+a row is written, and the keys a row can have are listed in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import Message, MetricRecord
+
+from app.config.schema import PrivacyConfig
+from strategies.fedavg import RoundReport
+from strategies.fedbuff import VersionReport
+
+# Row values computed from the clients' replies or from which nodes took part: no epsilon
+# covers them, so with privacy on they are recorded only with privacy.report_exact=true.
+EXACT_ROW_KEYS = (
+    "num_sampled",
+    "num_clients",
+    "num_rejected",
+    "num_missing",
+    "num_failed",
+    "num_discarded_stale",
+    "rejected",
+    "failed",
+    "node_partitions",
+    "applied",
+    "staleness",
+    "tasks_sent",
+    "robust",
+    "capped_weights",
+    "train",
+    "federated_eval",
+)
+
+
+def reported(row: dict[str, Any], privacy: PrivacyConfig) -> dict[str, Any]:
+    """The row as recorded: with privacy on, without EXACT_ROW_KEYS unless privacy.report_exact
+    (the log keeps them: it is the operator's, who sees every reply anyway)."""
+    if privacy.name == "none" or privacy.report_exact:
+        return row
+    return {k: v for k, v in row.items() if k not in EXACT_ROW_KEYS}
+
+
+def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
+    """(node id, metrics) of every successful reply."""
+    return [
+        (msg.metadata.src_node_id, record)
+        for msg in replies
+        if not msg.has_error()
+        for record in msg.content.metric_records.values()
+    ]
+
+
+def node_partitions(metrics: list[tuple[int, MetricRecord]]) -> dict[str, int]:
+    """node id -> partition id, as simulated nodes report it (for reading attack results)."""
+    return {str(node): m["partition-id"] for node, m in metrics if isinstance(m.get("partition-id"), int)}
+
+
+def _rejections(items: list) -> list[dict[str, Any]]:
+    return [{"node_id": r.node_id, "reason": r.reason} for r in items]
+
+
+def round_row(
+    rnd: int,
+    report: RoundReport,
+    replies: list[Message],
+    robust: dict[str, Any] | None,
+    updated: bool,
+    train: MetricRecord | None,
+    federated_eval: MetricRecord | None,
+) -> dict[str, Any]:
+    """A synchronous round's row, less the run's own columns (accuracy, loss, times); `robust` is
+    the robust rule's picks (`strategy.robust_row()`, None for a plain mean)."""
+    return {
+        "round": rnd,
+        "num_sampled": report.sampled,
+        "num_clients": len(report.accepted),
+        "num_rejected": len(report.rejected),
+        "num_missing": report.sampled - len(replies),
+        "model_updated": updated,
+        "rejected": _rejections(report.rejected),
+        "capped_weights": report.capped,
+        "robust": robust,
+        "node_partitions": node_partitions(reply_metrics(replies)),
+        "train": dict(train) if train else {},
+        "federated_eval": dict(federated_eval) if federated_eval else {},
+    }
+
+
+def version_row(report: VersionReport, tasks_sent: int) -> dict[str, Any]:
+    """A FedBuff version's row, less the run's own columns (accuracy, loss, times)."""
+    return {
+        "round": report.version,
+        "version": report.version,
+        "num_clients": len(report.applied),
+        "staleness": [u["staleness"] for u in report.applied],
+        "applied": report.applied,
+        "num_discarded_stale": report.discarded_stale,
+        "num_rejected": len(report.rejected),
+        "num_failed": len(report.failed),
+        "rejected": _rejections(report.rejected),
+        "failed": _rejections(report.failed),
+        "robust": report.robust,
+        "tasks_sent": tasks_sent,
+        "train": dict(report.metrics) if report.metrics else {},
+    }

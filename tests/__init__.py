@@ -1,0 +1,1 @@
+"""The test suite (a package, so shared helpers import as `from tests.helpers import ...`)."""

@@ -1,0 +1,38 @@
+"""Helpers shared by the tests (fixtures live in tests/conftest.py).
+
+Helpers that bench/ scripts need too live in the app: `app.simulation.local_grid.run_in_process`
+(a whole federation in this process), `app.simulation.replies.make_reply` (a reply as the
+server receives it), `app.tools.processes` (free ports, the `flwr` CLI's JSON answers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from flwr.app import Context, RecordDict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def context_for(partition_id: int, num_partitions: int, node_config: dict | None = None) -> Context:
+    """A simulated node's Context, as the ClientApp gets it (node id 1000 + partition id)."""
+    return Context(
+        run_id=1,
+        node_id=1000 + partition_id,
+        node_config=node_config or {"partition-id": partition_id, "num-partitions": num_partitions},
+        state=RecordDict(),
+        run_config={},
+    )
+
+
+def load_script(name: str) -> ModuleType:
+    """A module from scripts/ (not a package: the scripts run as files)."""
+    path = ROOT / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
