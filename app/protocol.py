@@ -20,6 +20,22 @@ from app.config.schema import (
     TrainConfig,
 )
 
+# --- Record names and keys of the messages (Flower's conventions where Flower has one) ----------
+ARRAYS = "arrays"  # ArrayRecord: the model sent, or the one trained
+CONFIG = "config"  # ConfigRecord of a task: the client settings below, plus SERVER_ROUND and TASK
+METRICS = "metrics"  # MetricRecord of a reply
+SERVER_ROUND = "server-round"  # the round (FedBuff: the model version) a task trains from
+TASK = "task"  # FedBuff: the task's serial number (a fresh shuffle per task)
+# node_config of a SuperNode: a simulated partition, or a deployed node's own data
+PARTITION_ID = "partition-id"  # also in replies: the server binds the node to it and caps its weight
+NUM_PARTITIONS = "num-partitions"
+DATA_PATH = "data-path"
+# reply metrics
+NUM_EXAMPLES = "num-examples"  # the reply's weight claim (capped by the server: strategies/replies.py)
+TRAIN_METRICS = ("train-loss", "train-accuracy", "samples-per-s")  # left out under local DP unless report_exact
+EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
+
+
 CLIENT_SECTIONS = {
     "dataset": DatasetConfig,
     "partition": PartitionConfig,

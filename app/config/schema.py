@@ -109,7 +109,7 @@ class PrivacyConfig:
     max_epsilon: float = 0.0  # central: stop before a release would exceed it; 0 = no budget
     poisson_sampling: bool = False  # central: sample each node with probability federation.fraction_train
     # true: metrics.jsonl (and TensorBoard, MLflow) also get the exact values outside every epsilon
-    # (cohorts, clipped fraction, clients' train/eval metrics); false leaves them out (README, privacy)
+    # (cohorts, clipped fraction, clients' train/eval metrics); false leaves them out (docs/privacy.md)
     report_exact: bool = False
     # central_adaptive (Andrew et al. 2021): the clip follows a quantile of update norms
     target_quantile: float = 0.5

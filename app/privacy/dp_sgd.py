@@ -232,18 +232,19 @@ class DpSgdSteps(Steps):
         cfg: TrainConfig,
         precision: Precision,
         clip_norm: float,
-        plan: tuple[float, float, int],
+        sigma: float,
+        q: float,
+        num_steps: int,
         accountant: RDPAccountant,
         seed: int | None = None,
     ) -> None:
-        sigma, q, self.num_steps = plan
-        self.q = q
+        self.q, self.num_steps = q, num_steps
         device = precision.device
         model.to(memory_format=torch.contiguous_format).train()  # see _nchw
-        wrapped, hooks = per_sample_module(model, _nchw(model_inputs(data.x[:1].to(device), precision)))
+        self.wrapped, hooks = per_sample_module(model, _nchw(model_inputs(data.x[:1].to(device), precision)))
         sampling, noise = dp_generators(device, seed)
         super().__init__(model, cfg, private_precision(precision, hooks), sampling)
-        self.net = wrapped
+        self.net = self.wrapped
         self.optimizer = DPOptimizer(
             self.optimizer,
             noise_multiplier=sigma,
@@ -272,7 +273,7 @@ class DpSgdSteps(Steps):
 
     def close(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.net.to_standard_module()  # hooks and per-example attributes off the caller's model
+        self.wrapped.to_standard_module()  # hooks and per-example attributes off the caller's model
 
 
 def train_private(
@@ -313,7 +314,7 @@ def train_private(
     accountant = load_accountant(state)
     spent = sum(steps for _, _, steps in accountant.history)
     sigma, round_steps = plan_round(privacy, record, q, steps_per_round(n, cfg), accountant.history)
-    steps = DpSgdSteps(model, data, cfg, precision, privacy.clip_norm, (sigma, q, round_steps), accountant, seed)
+    steps = DpSgdSteps(model, data, cfg, precision, privacy.clip_norm, sigma, q, round_steps, accountant, seed)
     stats = fit(steps, data)
     save_accountant(state, accountant)
     metrics: dict[str, float | int | list[float] | list[int]] = {

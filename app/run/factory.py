@@ -13,6 +13,7 @@ from flwr.app import MessageType, MetricRecord
 from flwr.serverapp import Grid
 
 from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
+from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import partition_indices, validation_size
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
@@ -116,7 +117,7 @@ def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> W
         return n - held_out, held_out
 
     def cap(node_id: int, metrics: MetricRecord, kind: str) -> float:
-        partition = binding.bind(node_id, metrics.get("partition-id"))
+        partition = binding.bind(node_id, metrics.get(PARTITION_ID))
         if partition is None:
             return limit
         train, validation = train_and_validation(partition)

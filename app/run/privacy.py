@@ -15,6 +15,7 @@ from flwr.serverapp import Grid
 
 from app.config.schema import PrivacyConfig
 from app.privacy.accounting import HistoryLedger, MalformedHistory, history_key
+from app.protocol import PARTITION_ID
 from strategies.central_dp import CentralDP
 from strategies.partitions import PartitionBinding
 from strategies.replies import InvalidReply
@@ -102,7 +103,7 @@ class LocalPrivacy(NoPrivacy):
         (`dp_history_rejected`); the one on record stays."""
         for node, metrics in client_metrics:
             try:
-                partition = self.partitions.bind(node, metrics.get("partition-id"))
+                partition = self.partitions.bind(node, metrics.get(PARTITION_ID))
             except InvalidReply:  # a contested claim: the screening rejects the reply; the history is the node's
                 partition = self.partitions.partition_of(node)
             key = history_key(partition, node)

@@ -11,6 +11,7 @@ from typing import Any
 from flwr.app import Message, MetricRecord
 
 from app.config.schema import PrivacyConfig
+from app.protocol import PARTITION_ID
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
 
@@ -56,7 +57,7 @@ def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
 
 def node_partitions(metrics: list[tuple[int, MetricRecord]]) -> dict[str, int]:
     """node id -> partition id, as simulated nodes report it (for reading attack results)."""
-    return {str(node): m["partition-id"] for node, m in metrics if isinstance(m.get("partition-id"), int)}
+    return {str(node): m[PARTITION_ID] for node, m in metrics if isinstance(m.get(PARTITION_ID), int)}
 
 
 def _rejections(items: list) -> list[dict[str, Any]]:

@@ -9,15 +9,20 @@ seeded shuffle of the label column, so every node computes the same split by its
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from app.config.schema import HUB_DATASETS, ConfigError, DatasetConfig, PartitionConfig
+from app.config.registry import Registry
+from app.config.schema import DATASETS, HUB_DATASETS, PARTITIONS, ConfigError, DatasetConfig, PartitionConfig
+
+if TYPE_CHECKING:
+    from flwr_datasets.partitioner import Partitioner
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -207,20 +212,28 @@ def _load_hub(cfg: DatasetConfig, seed: int) -> tuple[HFSource, HFSource]:
     return HFSource(train, cfg.image_key, cfg.label_key), HFSource(test, cfg.image_key, cfg.label_key)
 
 
+def _own_test_split(pair: tuple[Source, Source | None], cfg: DatasetConfig, seed: int) -> tuple[Source, Source]:
+    """A file's own test split, else a seeded hold-out of its training data."""
+    train, test = pair
+    return (train, test) if test is not None else _split_pair(train, cfg, seed)
+
+
+_LOADERS: Registry[Callable[[DatasetConfig, int], tuple[Source, Source]]] = Registry(
+    "dataset.name",
+    DATASETS,
+    {
+        "digits": lambda cfg, seed: _split_pair(_load_digits(), cfg, seed),
+        **dict.fromkeys(HUB_DATASETS, _load_hub),
+        "npz": lambda cfg, seed: _own_test_split(_load_npz(cfg.path), cfg, seed),
+        "hf_disk": lambda cfg, seed: _own_test_split(_load_disk(cfg, cfg.path), cfg, seed),
+    },
+)
+
+
 @lru_cache(maxsize=4)
 def load_splits(cfg: DatasetConfig, seed: int) -> tuple[Source, Source]:
     """(train, test) sources of the configured dataset; cached per process."""
-    if cfg.name == "digits":
-        return _split_pair(_load_digits(), cfg, seed)
-    if cfg.name in HUB_DATASETS:
-        return _load_hub(cfg, seed)
-    if cfg.name == "npz":
-        train, test = _load_npz(cfg.path)
-    elif cfg.name == "hf_disk":
-        train, test = _load_disk(cfg, cfg.path)
-    else:
-        raise ConfigError(f"dataset.name={cfg.name!r} has no loader")
-    return (train, test) if test is not None else _split_pair(train, cfg, seed)
+    return _LOADERS[cfg.name](cfg, seed)
 
 
 def load_local_data(cfg: DatasetConfig, path: str, seed: int) -> Source:
@@ -255,12 +268,37 @@ def check_partitioning(num_samples: int, num_partitions: int, cfg: PartitionConf
         )
 
 
+def _iid(num_partitions: int, cfg: PartitionConfig, seed: int) -> Partitioner:
+    from flwr_datasets.partitioner import IidPartitioner
+
+    return IidPartitioner(num_partitions=num_partitions)
+
+
+def _dirichlet(num_partitions: int, cfg: PartitionConfig, seed: int) -> Partitioner:
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    return DirichletPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=cfg.alpha,
+        min_partition_size=cfg.min_partition_size,
+        self_balancing=False,
+        shuffle=True,
+        seed=seed,
+    )
+
+
+# Flower Datasets is imported on first use (it pulls in Hugging Face datasets).
+_PARTITIONERS: Registry[Callable[[int, PartitionConfig, int], Partitioner]] = Registry(
+    "partition.name", PARTITIONS, {"iid": _iid, "dirichlet": _dirichlet}
+)
+
+
 def partition_indices(
     labels: np.ndarray, num_partitions: int, partition_id: int, cfg: PartitionConfig, seed: int
 ) -> np.ndarray:
     """Row indices of one partition, via Flower Datasets partitioners (seeded)."""
     import datasets
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
     datasets.disable_progress_bars()
 
@@ -269,18 +307,7 @@ def partition_indices(
         raise ConfigError(f"partition-id={partition_id} is invalid: must be in [0, {num_partitions})")
     table = datasets.Dataset.from_dict({"label": labels, "row": np.arange(len(labels))})
     table = table.shuffle(seed=seed).flatten_indices()
-    if cfg.name == "iid":
-        partitioner = IidPartitioner(num_partitions=num_partitions)
-    else:
-        partitioner = DirichletPartitioner(
-            num_partitions=num_partitions,
-            partition_by="label",
-            alpha=cfg.alpha,
-            min_partition_size=cfg.min_partition_size,
-            self_balancing=False,
-            shuffle=True,
-            seed=seed,
-        )
+    partitioner = _PARTITIONERS[cfg.name](num_partitions, cfg, seed)
     partitioner.dataset = table
     try:
         part = partitioner.load_partition(partition_id)
