@@ -60,7 +60,6 @@ from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
 from strategies.opacus_logging import remove_opacus_root_handler
 from strategies.replies import Screened, WeightCap
-from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, float_keys
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, is_finite
@@ -415,7 +414,8 @@ class DPFedBuff(FedBuff):
     update replacing the older one as the robust buffer does, would have the node train
     for nothing.) So K must not exceed the nodes that can train at once. The buffer is
     the first K distinct nodes to answer, a fixed-size subset: one more client can push
-    another out, hence 2C.
+    another out, hence 2C. (A robust buffer rule has no such sensitivity bound: this class
+    takes none.)
 
     FedBuff [Nguyen et al., 2022] with DP-FedAvg's Gaussian mechanism [McMahan et al.,
     2018], and adaptive clipping [Andrew et al., 2021] when `dp.adaptive` is set.
@@ -427,11 +427,11 @@ class DPFedBuff(FedBuff):
     buffer_size, concurrency, max_staleness, staleness, staleness_name, server_lr, server_momentum
         The buffer, the staleness bound and weights and the server step, as in
         `FedBuff`; `buffer_size` must not exceed a nonzero `concurrency`.
-    buffer_rule : None (default: None)
-        Must stay None: central DP has no sensitivity bound for a robust rule.
     message_ttl_s, poll_interval_s, deadline_grace_s, device
         Task lifetime, polling and aggregation device, as in `FedBuff`.
     """
+
+    one_update_per_node = "central-DP"
 
     def __init__(
         self,
@@ -444,7 +444,6 @@ class DPFedBuff(FedBuff):
         staleness_name: str = "polynomial",
         server_lr: float = 0.5,
         server_momentum: float = 0.0,
-        buffer_rule: RobustRule | None = None,
         message_ttl_s: float = 600.0,
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
@@ -458,14 +457,11 @@ class DPFedBuff(FedBuff):
             staleness_name=staleness_name,
             server_lr=server_lr,
             server_momentum=server_momentum,
-            buffer_rule=buffer_rule,
             message_ttl_s=message_ttl_s,
             poll_interval_s=poll_interval_s,
             deadline_grace_s=deadline_grace_s,
             device=device,
         )
-        if self.buffer_rule is not None:
-            raise ValueError("central DP has no sensitivity bound for a robust buffer rule")
         if dp.sample_rate != 1.0 or dp.sensitivity != 2.0:
             raise ValueError("FedBuff's releases are accounted with q = 1 and sensitivity 2C")
         if self.concurrency and self.buffer_size > self.concurrency:

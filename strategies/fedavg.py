@@ -135,6 +135,14 @@ class FedAvg(Strategy):
         """The robust rule's picks in the last round, for metrics.jsonl (None: a plain mean)."""
         return None
 
+    def cohort_size(self, num_nodes: int) -> int:
+        """The most nodes a round samples out of `num_nodes` (Flower's sampling rule)."""
+        return min(num_nodes, max(int(num_nodes * self.fraction_train), self.min_train_nodes))
+
+    def node_count_problem(self, num_nodes: int) -> str | None:
+        """Checked before the first round: why `num_nodes` nodes could never satisfy this strategy."""
+        return None
+
     def run_summary(self) -> dict[str, Any]:
         """Strategy-specific entries of summary.json."""
         return {}

@@ -191,6 +191,20 @@ class FedBuff(Strategy):
     asynchronous = True
     unit = "version"
 
+    # Why a buffer may take at most one update per node (None: no such limit); see node_count_problem.
+    one_update_per_node: str | None = None
+
+    def node_count_problem(self, num_nodes: int) -> str | None:
+        """Checked before the start: a buffer that takes one update per node needs K nodes training at once."""
+        kind = "robust" if self.buffer_rule is not None else self.one_update_per_node
+        cohort = min(num_nodes, self.concurrency or num_nodes)
+        if kind is None or cohort >= self.buffer_size:
+            return None
+        return (
+            f"strategy.buffer_size={self.buffer_size}: a {kind} buffer takes one update per node, but only "
+            f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={self.concurrency})"
+        )
+
     def run_summary(self) -> dict[str, Any]:
         """Strategy-specific entries of summary.json."""
         return {

@@ -209,6 +209,15 @@ class RobustStrategy(FedAvg):
         super().summary()
         self.rule.summary()
 
+    def node_count_problem(self, num_nodes: int) -> str | None:
+        cohort = self.cohort_size(num_nodes)
+        if (problem := self.cohort_problem(cohort)) is None:
+            return None
+        return (
+            f"{problem} ({num_nodes} nodes, federation.fraction_train={self.fraction_train}, "
+            f"federation.min_train_nodes={self.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
+        )
+
     def cohort_problem(self, cohort: int) -> str | None:
         """Checked before the first round: a cohort this size could never be enough."""
         reason = self.rule.too_few(cohort)

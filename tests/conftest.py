@@ -40,36 +40,45 @@ SLOW_MODULES: dict[str, str] = {
 # parametrization of it) or by the name of a fixture defined in that module (every test
 # that uses it).
 SLOW_TESTS: dict[str, set[str]] = {
+    # real Flower processes
+    "test_register_nodes": {"superlink"},  # the fixture starts a SuperLink with node authentication
+    "test_sweep": {  # real Hydra multiruns through `flwr run`
+        "test_two_by_two_sweep_records_a_failure_goes_on_and_skips_completed_jobs_when_rerun",
+        "test_a_failing_serverapp_is_recorded_with_flowers_verdict",
+    },
+    # long federations
+    "test_attacks": {"test_inflated_counts_leave_capped_fedavg_and_multikrum_near_the_clean_run"},
 }
 
 
-def _check_listed(module_names: set[str], modules: dict[str, object]) -> None:
-    missing = sorted(f"tests/{m}.py" for m in {*SLOW_MODULES, *SLOW_TESTS} if not (HERE / f"{m}.py").is_file())
-    for name, module in modules.items():
+def _module_name(item: pytest.Item) -> str | None:
+    """The module name ("test_x") of a test in tests/test_x.py; None for anything else."""
+    module = getattr(item, "module", None)
+    path = Path(getattr(module, "__file__", None) or "")
+    return path.stem if path.parent == HERE else None
+
+
+def _check_listed(items: list[pytest.Item]) -> None:
+    """Fail collection when a listed module is not in tests/, or a listed name is not defined
+    in its module (checked for the modules collected in this session)."""
+    missing = [f"tests/{m}.py" for m in sorted({*SLOW_MODULES, *SLOW_TESTS}) if not (HERE / f"{m}.py").is_file()]
+    modules = {name: item.module for item in items if (name := _module_name(item)) is not None}
+    for name, module in sorted(modules.items()):
         missing += [f"tests/{name}.py::{t}" for t in sorted(SLOW_TESTS.get(name, ())) if not hasattr(module, t)]
     if missing:
         raise pytest.UsageError(
-            f"tests/conftest.py marks as slow what does not exist: {', '.join(missing)}. "
-            "Update SLOW_MODULES / SLOW_TESTS there."
+            f"tests/conftest.py marks as slow what does not exist: {', '.join(missing)}; update SLOW_MODULES / SLOW_TESTS"
         )
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    modules = {}
+    _check_listed(items)
     for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and Path(module.__file__).parent == HERE:
-            modules[Path(module.__file__).stem] = module
-    _check_listed(set(modules), modules)
-    for item in items:
-        module = getattr(item, "module", None)
-        if module is None:
-            continue
-        name = Path(module.__file__).stem
+        name = _module_name(item)
         listed = SLOW_TESTS.get(name, set())
-        test_name = getattr(item, "originalname", item.name)
-        if name in SLOW_MODULES or test_name in listed or listed & set(getattr(item, "fixturenames", ())):
+        by_name = getattr(item, "originalname", item.name) in listed  # every parametrization
+        if name in SLOW_MODULES or by_name or listed & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -85,4 +94,3 @@ def model_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "conv.bias": rng.normal(size=(4,)).astype(np.float32),
         "fc.weight": rng.normal(size=(10, 4)).astype(np.float32),
     }
-

@@ -16,7 +16,7 @@ from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import ConfigError
 from app.protocol import to_client_record
-from app.run.federation import example_cap
+from app.run.factory import example_cap
 from app.run.results import read_rows
 from app.simulation.attacks import flip_labels, malicious_partitions
 from app.simulation.local_grid import run_in_process

@@ -22,8 +22,9 @@ from opacus.accountants import RDPAccountant
 
 from app.config.compose import load_config
 from app.config.schema import ConfigError
-from app.run.federation import EXACT_ROW_KEYS, build_strategy
+from app.run.factory import build_strategy
 from app.run.results import read_rows
+from app.run.rows import EXACT_ROW_KEYS
 from app.simulation.local_grid import InProcessGrid, run_in_process
 from strategies.central_dp import (
     AdaptiveClip,

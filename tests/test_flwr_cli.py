@@ -34,8 +34,6 @@ FEDERATION = "num-supernodes=3 client-resources-num-cpus=1"
 METRIC_KEYS = {"round", "accuracy", "loss", "wall_time_s", "num_clients", "num_rejected"}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-pytestmark = pytest.mark.slow
-
 
 # ----------------------------------------------------------------------------- fixtures
 

@@ -467,7 +467,6 @@ def _train_size(n: int, val_fraction: float = 0.1) -> int:
     return n - math.ceil(n * val_fraction)
 
 
-@pytest.mark.slow
 def test_secure_federation_with_node_local_data_survives_a_killed_node(tmp_path: Path) -> None:
     """The shipped configuration: TLS with our CA, SuperNode authentication with registered
     keys, the Runtime API locked to our SuperExec, and each SuperNode reading its own data
@@ -510,7 +509,6 @@ def test_secure_federation_with_node_local_data_survives_a_killed_node(tmp_path:
     assert rows[1]["num_missing"] + rows[1]["num_rejected"] == 1, rows[1]
 
 
-@pytest.mark.slow
 def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:
     with loopback_federation(tmp_path) as fed:
         # Flower's default `--isolation subprocess` (used here, insecure) leaves the Runtime API
@@ -527,7 +525,6 @@ def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:
     assert versions == [1, 2, 3, 4], versions
 
 
-@pytest.mark.slow
 def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_epsilon(tmp_path: Path) -> None:
     """Central DP over the shipped configuration. The ServerApp dies after round 1; the same
     `flwr run` again continues it. Then the whole server side (SuperLink, SuperExec,
@@ -569,7 +566,6 @@ def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_
     assert summary["privacy"]["epsilon"] == pytest.approx(whole["privacy"]["epsilon"], rel=1e-12)
 
 
-@pytest.mark.slow
 def test_the_fleet_edge_lets_nodes_train_and_refuses_everything_else(tmp_path: Path) -> None:
     """docker/server/fleet-edge.conf.template on a real nginx: SuperNodes train through it;
     the Control API (submit runs, register keys) and the Runtime API are refused there (403),
@@ -607,7 +603,6 @@ def _largest_node_body() -> bytes:
     return body
 
 
-@pytest.mark.slow
 def test_the_fleet_edge_refuses_oversized_bodies_before_the_superlink_sees_them(tmp_path: Path) -> None:
     """The edge's client_max_body_size: a stranger's body over the cap gets 413 from nginx,
     with Content-Length and chunked alike, and never reaches the SuperLink (which would read

@@ -99,7 +99,6 @@ def test_slurm_launcher_config_composes() -> None:
 # ----------------------------------------------------------------------------- slow: real `flwr run`
 
 
-@pytest.mark.slow
 def test_two_by_two_sweep_records_a_failure_goes_on_and_skips_completed_jobs_when_rerun(tmp_path: Path) -> None:
     """strategy x privacy: median with central DP is refused (first job), the other three run;
     the report has a row per configuration; the same command again only retries the failure."""
@@ -150,7 +149,6 @@ def test_two_by_two_sweep_records_a_failure_goes_on_and_skips_completed_jobs_whe
     assert write_report(sweep)["csv"].is_file()
 
 
-@pytest.mark.slow
 def test_a_failing_serverapp_is_recorded_with_flowers_verdict(tmp_path: Path) -> None:
     """The ServerApp raises (too few nodes): `flwr run --stream` exits 0, the job reads the
     run's finished:failed state and records its details."""

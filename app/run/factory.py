@@ -17,25 +17,38 @@ from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import partition_indices, validation_size
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
-from strategies.coordinatewise import CoordinateMedian, TrimmedMean
+from strategies.coordinatewise import CoordinateMedian, MedianRule, TrimmedMean, TrimmedMeanRule
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
-from strategies.krum import Krum, MultiKrum
+from strategies.krum import Krum, KrumRule, MultiKrum, MultiKrumRule
 from strategies.partitions import PartitionBinding
 from strategies.replies import WeightCap
-from strategies.robust import RobustStrategy
+from strategies.robust import RobustRule, RobustStrategy
 from strategies.staleness import staleness_fn
 
 
-def _robust_rule(name: str, st: StrategyConfig, common: dict[str, Any]) -> RobustStrategy:
-    robust = {**common, "num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few}
+def robust_rule(name: str, st: StrategyConfig, device: torch.device) -> RobustRule:
+    """The robust rule `name` with f, m, the trim ratio and the too-few policy from the config."""
+    common: dict[str, Any] = {"num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few, "device": device}
     if name == "krum":
-        return Krum(**robust)
+        return KrumRule(**common)
     if name == "multikrum":
-        return MultiKrum(num_selected=st.num_selected, **robust)
+        return MultiKrumRule(num_selected=st.num_selected, **common)
     if name == "median":
-        return CoordinateMedian(**robust)
-    return TrimmedMean(trim_ratio=st.trim_ratio, **robust)
+        return MedianRule(**common)
+    return TrimmedMeanRule(trim_ratio=st.trim_ratio, **common)
+
+
+def robust_strategy(name: str, st: StrategyConfig, sampling: dict[str, Any]) -> RobustStrategy:
+    """The synchronous strategy of the robust rule `name` (its class name shows in logs and summary)."""
+    common: dict[str, Any] = {"num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few, **sampling}
+    if name == "krum":
+        return Krum(**common)
+    if name == "multikrum":
+        return MultiKrum(num_selected=st.num_selected, **common)
+    if name == "median":
+        return CoordinateMedian(**common)
+    return TrimmedMean(trim_ratio=st.trim_ratio, **common)
 
 
 def central_dp(cfg: Config) -> CentralDP | None:
@@ -59,9 +72,9 @@ def central_dp(cfg: Config) -> CentralDP | None:
 
 
 def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
-    """The configured strategy; robust ones get f, m, the trim ratio and the too-few policy."""
+    """The configured strategy; robust ones get their rule, central DP its mechanism."""
     f, st = cfg.federation, cfg.strategy
-    common = {
+    sampling: dict[str, Any] = {
         "fraction_train": f.fraction_train,
         "min_train_nodes": f.min_train_nodes,
         "fraction_evaluate": f.fraction_evaluate,
@@ -71,32 +84,30 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
         "device": device,
     }
     dp = central_dp(cfg)
-    if st.name == "fedavg" and dp is not None:
-        return DPFedAvg(dp=dp, poisson=cfg.privacy.poisson_sampling, **common)
     if st.name == "fedavg":
-        return FedAvg(**common)
+        return FedAvg(**sampling) if dp is None else DPFedAvg(dp=dp, poisson=cfg.privacy.poisson_sampling, **sampling)
     if st.name in ROBUST_RULES:
-        return _robust_rule(st.name, st, common)
-    if st.name == "fedbuff":
-        rule = None if st.buffer_aggregator == "mean" else _robust_rule(st.buffer_aggregator, st, common).rule
-        if rule is not None and (problem := rule.too_few(st.buffer_size)):
-            raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
-        kind, extra = (FedBuff, {}) if dp is None else (DPFedBuff, {"dp": dp})
-        return kind(
-            **extra,
-            buffer_size=st.buffer_size,
-            concurrency=st.concurrency,
-            max_staleness=st.max_staleness,
-            staleness=staleness_fn(st.staleness_fn, st.staleness_a, st.staleness_b),
-            staleness_name=st.staleness_fn,
-            server_lr=st.server_lr,
-            server_momentum=st.server_momentum,
-            buffer_rule=rule,
-            # One training task may take round_timeout_s; its message lives no longer.
-            message_ttl_s=f.round_timeout_s,
-            device=device,
-        )
-    raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
+        return robust_strategy(st.name, st, sampling)
+    if st.name != "fedbuff":
+        raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
+    buffer: dict[str, Any] = {
+        "buffer_size": st.buffer_size,
+        "concurrency": st.concurrency,
+        "max_staleness": st.max_staleness,
+        "staleness": staleness_fn(st.staleness_fn, st.staleness_a, st.staleness_b),
+        "staleness_name": st.staleness_fn,
+        "server_lr": st.server_lr,
+        "server_momentum": st.server_momentum,
+        # One training task may take round_timeout_s; its message lives no longer.
+        "message_ttl_s": f.round_timeout_s,
+        "device": device,
+    }
+    if dp is not None:  # validation allows central DP only with the mean buffer
+        return DPFedBuff(dp=dp, **buffer)
+    rule = None if st.buffer_aggregator == "mean" else robust_rule(st.buffer_aggregator, st, device)
+    if rule is not None and (problem := rule.too_few(st.buffer_size)):
+        raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
+    return FedBuff(buffer_rule=rule, **buffer)
 
 
 def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> WeightCap:
@@ -126,28 +137,12 @@ def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> W
     return cap
 
 
-def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> int:
-    """Before the first round: can the rounds' cohort ever satisfy the strategy and attack?"""
-    f = cfg.federation
-    if isinstance(strategy, FedBuff):
-        cohort = min(num_nodes, strategy.concurrency or num_nodes)
-        # Both a robust buffer and a central-DP one take at most one update per node.
-        kind = "robust" if strategy.buffer_rule is not None else "central-DP" if isinstance(strategy, DPFedBuff) else ""
-        if kind and cohort < strategy.buffer_size:
-            raise ConfigError(
-                f"strategy.buffer_size={strategy.buffer_size}: a {kind} buffer takes one update per node, but only "
-                f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={strategy.concurrency})"
-            )
-    else:
-        cohort = min(num_nodes, max(int(num_nodes * f.fraction_train), f.min_train_nodes))
-    if isinstance(strategy, RobustStrategy) and (problem := strategy.cohort_problem(cohort)):
-        raise ConfigError(
-            f"{problem} ({num_nodes} nodes, federation.fraction_train={f.fraction_train}, "
-            f"federation.min_train_nodes={f.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
-        )
+def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> None:
+    """Before the first round: can the connected nodes ever satisfy the strategy and the attack?"""
+    if problem := strategy.node_count_problem(num_nodes):
+        raise ConfigError(problem)
     if cfg.attack.num_malicious > num_nodes:
         raise ConfigError(f"attack.num_malicious={cfg.attack.num_malicious} is invalid: only {num_nodes} nodes")
-    return cohort
 
 
 def run_privacy(
