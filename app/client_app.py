@@ -18,7 +18,21 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from app.protocol import ClientSettings
+from app.protocol import (
+    ARRAYS,
+    CONFIG,
+    DATA_PATH,
+    EVAL_ACCURACY,
+    EVAL_LOSS,
+    METRICS,
+    NUM_EXAMPLES,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    SERVER_ROUND,
+    TASK,
+    TRAIN_METRICS,
+    ClientSettings,
+)
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
 from app.simulation.stragglers import slow_down
 from app.task.data import (
@@ -61,10 +75,10 @@ def _node_data(
 def node_data(context: Context, settings: ClientSettings, spec: DataSpec) -> tuple[ImageTensors, ImageTensors]:
     """(train, validation) data of this node, cached for the life of the process."""
     cfg = context.node_config
-    data_path = str(cfg.get("data-path", "") or "")
-    if not data_path and ("partition-id" not in cfg or "num-partitions" not in cfg):
+    data_path = str(cfg.get(DATA_PATH, "") or "")
+    if not data_path and (PARTITION_ID not in cfg or NUM_PARTITIONS not in cfg):
         raise ValueError("node config needs partition-id and num-partitions (simulation) or data-path (deployment)")
-    node_key = (data_path, int(cfg.get("partition-id", 0)), int(cfg.get("num-partitions", 1)))
+    node_key = (data_path, int(cfg.get(PARTITION_ID, 0)), int(cfg.get(NUM_PARTITIONS, 1)))
     return _node_data(settings, node_key, spec)
 
 
@@ -92,7 +106,7 @@ class Job:
 
 
 def prepare_job(msg: Message, context: Context) -> Job:
-    record = dict(msg.content["config"])
+    record = dict(msg.content[CONFIG])
     settings, spec = ClientSettings.from_record(record), spec_from_record(record)
     precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
     train_data, val_data = node_data(context, settings, spec)
@@ -101,14 +115,14 @@ def prepare_job(msg: Message, context: Context) -> Job:
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
     return Job(record, settings, spec, precision, train_data, val_data, prepare_model(model, precision))
 
 
 def partition_of(context: Context) -> int | None:
     """This node's partition id in simulation; None for a deployed node with its own data."""
     cfg = context.node_config
-    return None if cfg.get("data-path") or "partition-id" not in cfg else int(cfg["partition-id"])
+    return None if cfg.get(DATA_PATH) or PARTITION_ID not in cfg else int(cfg[PARTITION_ID])
 
 
 @app.train()
@@ -117,10 +131,10 @@ def train_handler(msg: Message, context: Context) -> Message:
     settings, attack = job.settings, job.settings.attack
     partition = partition_of(context)
     seed = client_seed(
-        settings.seed, int(job.record.get("server-round", 0)), partition or 0, int(job.record.get("task", 0))
+        settings.seed, int(job.record.get(SERVER_ROUND, 0)), partition or 0, int(job.record.get(TASK, 0))
     )
     torch.manual_seed(seed)
-    malicious = is_malicious(attack, settings.seed, partition, int(context.node_config.get("num-partitions", 1)))
+    malicious = is_malicious(attack, settings.seed, partition, int(context.node_config.get(NUM_PARTITIONS, 1)))
     train_data = job.train_data
     if malicious and attack.name == "label_flip":
         train_data = ImageTensors(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
@@ -144,7 +158,7 @@ def train_handler(msg: Message, context: Context) -> Message:
             stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed), {}
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int | list[float] | list[int]] = {
-        "num-examples": reported_examples(attack, stats.num_examples) if malicious else stats.num_examples,
+        NUM_EXAMPLES: reported_examples(attack, stats.num_examples) if malicious else stats.num_examples,
         "wall-time-s": stats.wall_time_s,
         "steps": stats.steps,
         "straggler-delay-s": delay,
@@ -152,16 +166,16 @@ def train_handler(msg: Message, context: Context) -> Message:
         **dp_metrics,
     }
     if settings.privacy.name != "local" or settings.privacy.report_exact:
-        # Local DP: exact statistics of the private batches, which no epsilon covers (README).
-        metrics |= {"train-loss": stats.loss, "train-accuracy": stats.accuracy, "samples-per-s": stats.samples_per_s}
+        # Local DP: exact statistics of the private batches, which no epsilon covers (docs/privacy.md).
+        metrics |= dict(zip(TRAIN_METRICS, (stats.loss, stats.accuracy, stats.samples_per_s), strict=True))
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
     if partition is not None:
-        metrics["partition-id"] = partition
+        metrics[PARTITION_ID] = partition
     state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}
     if malicious and attack.name in MODEL_POISONING:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
-    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+    content = RecordDict({ARRAYS: ArrayRecord(state), METRICS: MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
 
@@ -169,7 +183,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 def evaluate_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     loss, accuracy = evaluate(job.model, job.val_data, job.precision)
-    metrics = {"num-examples": len(job.val_data), "eval-loss": loss, "eval-accuracy": accuracy}
+    metrics = {NUM_EXAMPLES: len(job.val_data), EVAL_LOSS: loss, EVAL_ACCURACY: accuracy}
     if (partition := partition_of(context)) is not None:
-        metrics["partition-id"] = partition  # the server caps num-examples at its partition's validation size
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+        metrics[PARTITION_ID] = partition  # the server caps num-examples at its partition's validation size
+    return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

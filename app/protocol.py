@@ -19,19 +19,22 @@ from app.config.schema import (
     PrivacyConfig,
     TrainConfig,
 )
+from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports every wire key from here
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    SERVER_ROUND,
+    TASK,
+)
 
-# --- Record names and keys of the messages (Flower's conventions where Flower has one) ----------
-ARRAYS = "arrays"  # ArrayRecord: the model sent, or the one trained
-CONFIG = "config"  # ConfigRecord of a task: the client settings below, plus SERVER_ROUND and TASK
-METRICS = "metrics"  # MetricRecord of a reply
-SERVER_ROUND = "server-round"  # the round (FedBuff: the model version) a task trains from
-TASK = "task"  # FedBuff: the task's serial number (a fresh shuffle per task)
-# node_config of a SuperNode: a simulated partition, or a deployed node's own data
-PARTITION_ID = "partition-id"  # also in replies: the server binds the node to it and caps its weight
+# --- Record names and keys of the messages -------------------------------------------------
+# The ones the strategies read are defined in strategies/wire.py (the lowest layer); imported above.
+# node_config of a SuperNode: a simulated partition (PARTITION_ID of NUM_PARTITIONS), or a deployed node's own data
 NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
 # reply metrics
-NUM_EXAMPLES = "num-examples"  # the reply's weight claim (capped by the server: strategies/replies.py)
 TRAIN_METRICS = ("train-loss", "train-accuracy", "samples-per-s")  # left out under local DP unless report_exact
 EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
 

@@ -26,7 +26,6 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from strategies.replies import (
-    WEIGHT_KEY,
     ArraySpec,
     Rejection,
     Screened,
@@ -37,6 +36,7 @@ from strategies.replies import (
     weighted_metrics,
 )
 from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, tensors_to_record, weighted_mean
+from strategies.wire import ARRAYS, CONFIG, NUM_EXAMPLES, SERVER_ROUND
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -179,12 +179,12 @@ class FedAvg(Strategy):
         if fraction == 0.0:
             return []
         node_ids = self.select_nodes(grid, fraction, minimum, kind)
-        config["server-round"] = server_round
-        content = RecordDict({"arrays": arrays, "config": config})
+        config[SERVER_ROUND] = server_round
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
 
         def content_for(node: int) -> RecordDict:
             extra = self.node_config(node) if self.node_config is not None and kind == MessageType.TRAIN else {}
-            return RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **extra})}) if extra else content
+            return RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({**config, **extra})}) if extra else content
 
         return [
             Message(
@@ -264,9 +264,9 @@ class FedAvg(Strategy):
         )
         report = self.train_report
         report.capped = [
-            {"node_id": r.node_id, "claimed": float(r.metrics[WEIGHT_KEY]), "weight": r.weight}
+            {"node_id": r.node_id, "claimed": float(r.metrics[NUM_EXAMPLES]), "weight": r.weight}
             for r in screened.valid
-            if r.weight < r.metrics[WEIGHT_KEY]
+            if r.weight < r.metrics[NUM_EXAMPLES]
         ]
         new = self.aggregate_models(server_round, screened)
         report.rejected = screened.rejected

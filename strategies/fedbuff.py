@@ -38,7 +38,6 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.fedavg import RoundReport
 from strategies.replies import (
-    WEIGHT_KEY,
     ArraySpec,
     InvalidReply,
     Rejection,
@@ -53,6 +52,7 @@ from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
+from strategies.wire import ARRAYS, CONFIG, NUM_EXAMPLES, SERVER_ROUND, TASK
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -270,8 +270,8 @@ class FedBuff(Strategy):
         for node in random.sample(idle, free) if free > 0 else []:
             self.tasks_sent += 1
             extra = self.node_config(node) if self.node_config is not None else {}  # as FedAvg.node_config
-            cfg = ConfigRecord({**config, "server-round": server_round, "task": self.tasks_sent, **extra})
-            content = RecordDict({"arrays": arrays, "config": cfg})
+            cfg = ConfigRecord({**config, SERVER_ROUND: server_round, TASK: self.tasks_sent, **extra})
+            content = RecordDict({ARRAYS: arrays, CONFIG: cfg})
             messages.append(
                 Message(content, node, MessageType.TRAIN, ttl=self.message_ttl_s, group_id=str(server_round))
             )
@@ -399,7 +399,12 @@ class FedBuff(Strategy):
         report = self.report
         excluded = set(report.robust["excluded"]) if report.robust else set()
         report.applied = [
-            {"node_id": r.node_id, "staleness": r.staleness, "num_examples": r.metrics[WEIGHT_KEY], "weight": r.weight}
+            {
+                "node_id": r.node_id,
+                "staleness": r.staleness,
+                "num_examples": r.metrics[NUM_EXAMPLES],
+                "weight": r.weight,
+            }
             for r in self.buffer
             if r.node_id not in excluded
         ]

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord
 
 from strategies.tensor_ops import TensorDict, array_view, is_finite
+from strategies.wire import NUM_EXAMPLES, PARTITION_ID
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
-WEIGHT_KEY = "num-examples"
 
 # The largest weight any reply earns, whatever it claims: counts up to 2^53 are exact in
 # float64, and a sum of n such weights stays finite for any n below 1e292.
@@ -60,7 +60,7 @@ def specs_of(record: ArrayRecord) -> dict[str, ArraySpec]:
 class ValidReply:
     node_id: int
     weight: float  # the capped example count (times s(τ) in FedBuff): what a weighted mean uses
-    metrics: MetricRecord  # as received: metrics[WEIGHT_KEY] is the claimed count
+    metrics: MetricRecord  # as received: metrics[NUM_EXAMPLES] is the claimed count
     arrays: TensorDict = field(default_factory=dict)
     base: TensorDict | None = None  # the model it trained from, when not this round's global (async)
     staleness: int = 0  # versions the global model moved on while it trained (async)
@@ -87,7 +87,7 @@ def _only_record(records: dict, kind: str) -> object:  # noqa: ANN401
     return next(iter(records.values()))
 
 
-def reply_weight(metrics: MetricRecord, weight_key: str = WEIGHT_KEY) -> float:
+def reply_weight(metrics: MetricRecord, weight_key: str = NUM_EXAMPLES) -> float:
     if weight_key not in metrics:
         raise InvalidReply(f"missing {weight_key!r} in its MetricRecord")
     value = metrics[weight_key]
@@ -143,7 +143,7 @@ def capped_weight(claimed: float, node: int, metrics: MetricRecord, kind: str, c
 def screen_reply(
     msg: Message,
     specs: dict[str, ArraySpec] | None,
-    weight_key: str = WEIGHT_KEY,
+    weight_key: str = NUM_EXAMPLES,
     check_finite: bool = True,
     *,
     node: int | None = None,
@@ -172,7 +172,7 @@ def screen_reply(
 def screen_replies(
     replies: Iterable[Message],
     specs: dict[str, ArraySpec] | None,
-    weight_key: str = WEIGHT_KEY,
+    weight_key: str = NUM_EXAMPLES,
     check_finite: bool = True,
     sent: Mapping[str, int] | None = None,
     weight_cap: WeightCap | None = None,
@@ -202,10 +202,10 @@ def reject(screened: Screened, reply: ValidReply, reason: str) -> None:
 
 
 # Reply metrics that describe a node rather than its training: not averaged.
-IDENTITY_KEYS = ("partition-id",)
+IDENTITY_KEYS = (PARTITION_ID,)
 
 
-def weighted_metrics(valid: list[ValidReply], weight_key: str = WEIGHT_KEY) -> MetricRecord:
+def weighted_metrics(valid: list[ValidReply], weight_key: str = NUM_EXAMPLES) -> MetricRecord:
     """Per key, the weight-averaged value over the replies that report it.
 
     Unlike Flower's `aggregate_metricrecords`, nodes may report different keys (a GPU

@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError
-from app.protocol import to_client_record
+from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.run.factory import build_strategy, check_cohort, example_cap, run_privacy
 from app.run.results import RunRecorder, new_run_dir
@@ -161,7 +161,7 @@ class FederatedRun:
                 **to_client_record(cfg),
                 **spec_to_record(spec),
                 **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
-                "federation.rounds": cfg.federation.rounds,  # local DP plans its noise over all rounds
+                ROUNDS_KEY: cfg.federation.rounds,  # local DP plans its noise over all rounds
             }
         )
         self.stop_reason = "rounds"

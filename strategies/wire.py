@@ -1,0 +1,15 @@
+"""Record names and keys of the messages the strategies send and read.
+
+Flower's conventions where Flower has one ("arrays", "config", "num-examples"). They are
+defined here, in the lowest layer, because the strategies need them; app/protocol.py
+re-exports them with the rest of the wire format for the ClientApp.
+"""
+
+ARRAYS = "arrays"  # ArrayRecord: the model sent, or the one trained
+CONFIG = "config"  # ConfigRecord of a task: the client settings, plus SERVER_ROUND and TASK
+METRICS = "metrics"  # MetricRecord of a reply
+SERVER_ROUND = "server-round"  # the round (FedBuff: the model version) a task trains from
+TASK = "task"  # FedBuff: the task's serial number (a fresh shuffle per task)
+# node_config of a simulated SuperNode; also in replies: the server binds the node to it and caps its weight
+PARTITION_ID = "partition-id"
+NUM_EXAMPLES = "num-examples"  # a reply's weight claim (capped by the server: strategies/replies.py)
