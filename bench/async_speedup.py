@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import cpu_model  # noqa: E402
 
-from app.simulation.local_grid import run_in_process  # noqa: E402
 from app.tools.compare_runs import draw_curves, read_curve  # noqa: E402
+from app.tools.in_process import run_in_process  # noqa: E402
 
 SETTINGS = {"3 nodes 5x slower": "stragglers=fixed", "lognormal sigma=1": "stragglers=lognormal stragglers.sigma=1.0"}
 FEDBUFF = "strategy=fedbuff strategy.eval_every=2 federation.rounds=100000"

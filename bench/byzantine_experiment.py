@@ -43,7 +43,7 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict:
     import torch
 
     from app.run.results import read_rows
-    from app.simulation.local_grid import run_in_process
+    from app.tools.in_process import run_in_process
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after the imports: flwr sets it on import

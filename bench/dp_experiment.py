@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from app.run.results import read_rows  # noqa: E402
-from app.simulation.local_grid import run_in_process  # noqa: E402
+from app.tools.in_process import run_in_process  # noqa: E402
 
 CENTRAL = "model.width=16 federation.rounds=30"  # privacy=central* clips at 1.0
 GROUPS = {

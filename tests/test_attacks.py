@@ -19,9 +19,9 @@ from app.protocol import to_client_record
 from app.run.factory import example_cap
 from app.run.results import read_rows
 from app.simulation.attacks import flip_labels, malicious_partitions
-from app.simulation.local_grid import run_in_process
 from app.task.data import DataSpec, load_splits, spec_to_record
 from app.task.models import build_model
+from app.tools.in_process import run_in_process
 from strategies.partitions import PartitionBinding
 from tests.helpers import context_for
 

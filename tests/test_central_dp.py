@@ -25,7 +25,8 @@ from app.config.schema import ConfigError
 from app.run.factory import build_strategy
 from app.run.results import read_rows
 from app.run.rows import EXACT_ROW_KEYS
-from app.simulation.local_grid import InProcessGrid, run_in_process
+from app.simulation.local_grid import InProcessGrid
+from app.tools.in_process import run_in_process
 from strategies.central_dp import (
     AdaptiveClip,
     CentralDP,

@@ -14,8 +14,9 @@ from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import ConfigError, StragglersConfig
 from app.run.results import read_rows
-from app.simulation.local_grid import InProcessGrid, run_in_process
+from app.simulation.local_grid import InProcessGrid
 from app.simulation.stragglers import SimulatedDropout, client_record, slow_down, straggler_factors
+from app.tools.in_process import run_in_process
 from strategies.fedbuff import FedBuff
 from strategies.staleness import staleness_fn
 

@@ -11,8 +11,9 @@ from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.protocol import to_client_record
 from app.run.results import read_rows
-from app.simulation.local_grid import InProcessGrid, run_in_process
+from app.simulation.local_grid import InProcessGrid
 from app.task.data import DataSpec, spec_to_record
+from app.tools.in_process import run_in_process
 from tests.helpers import context_for
 
 FAST = "federation.rounds={rounds} train.epochs=2 seed=3"

@@ -40,10 +40,11 @@ from app.privacy.dp_sgd import (
 from app.protocol import PRIOR_KEY, to_client_record
 from app.run.checkpoint import load_checkpoint
 from app.run.federation import FederatedRun, run_federation
-from app.simulation.local_grid import InProcessGrid, run_in_process
+from app.simulation.local_grid import InProcessGrid
 from app.task.data import DataSpec, ImageTensors, load_splits, materialize, spec_to_record
 from app.task.models import build_model
 from app.task.training import Precision, Steps, TrainStats, fit, resolve_precision, train
+from app.tools.in_process import run_in_process
 from tests.helpers import context_for
 
 DIGITS = DataSpec(1, 8, 8, 10)

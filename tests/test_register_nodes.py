@@ -151,3 +151,13 @@ def test_unknown_connection_fails_at_once(tmp_path: Path) -> None:
     proc = _register("--connection", "nowhere", "--timeout", "60", str(pub), home=tmp_path / "cli")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "'nowhere' not found" in proc.stderr, proc.stderr
+
+
+def test_flwr_json_answers_are_read_past_log_lines_and_missing_json_is_an_error() -> None:
+    """The one parser of `flwr ... --format json` output (this script, sweeps and the tests use it)."""
+    answer = parse_flwr_json('INFO :      Loaded config\n{\n  "success": false,\n  "error-message": "x"\n}\n')
+    assert answer == {"success": False, "error-message": "x"}
+    with pytest.raises(ValueError, match="no JSON answer"):
+        parse_flwr_json("Error: the key file is not an ECDSA key\n")
+    with pytest.raises(ValueError):
+        parse_flwr_json("{ truncated")

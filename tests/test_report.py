@@ -122,7 +122,7 @@ def test_report_numbers_equal_the_runs_summaries(sweep: Path) -> None:
 def test_report_on_real_runs_and_on_a_single_run_dir(tmp_path: Path) -> None:
     """Runs written by the real ServerApp loop (in-process grid); no job.json, so the
     configuration comes from config.yaml: two seeds of one config pool into one row."""
-    from app.simulation.local_grid import run_in_process
+    from app.tools.in_process import run_in_process
 
     root = tmp_path / "runs"
     summaries = []

@@ -559,7 +559,7 @@ def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_
     assert [r["round"] for r in run.metrics()] == [1, 2, 3, 4]
     assert summary["privacy"]["releases"] == 4
 
-    from app.simulation.local_grid import run_in_process
+    from app.tools.in_process import run_in_process
 
     whole, _ = run_in_process(overrides.replace("resume=auto", ""), tmp_path / "uninterrupted")
     assert whole["privacy"]["releases"] == 4

@@ -8,7 +8,7 @@ import pytest
 
 from app.run.results import read_rows
 from app.run.tracking import Trackers, scalars
-from app.simulation.local_grid import run_in_process
+from app.tools.in_process import run_in_process
 
 
 def _run(root: Path, overrides: str) -> tuple[dict, list[dict]]:

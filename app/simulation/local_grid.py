@@ -9,8 +9,8 @@ of going through a SuperLink. With `workers=0` each message is answered during
 releases the GIL in its kernels, and straggler sleeps overlap), which is what an
 asynchronous strategy needs to show its worth.
 
-`run_in_process` runs a whole federation (config, ServerApp loop, real ClientApp) on
-such a grid: the one way tests and bench/ scripts run one.
+A whole federation on this grid (config, the ServerApp's loop, the real ClientApp):
+app.tools.in_process.run_in_process.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
-from typing import Any
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -142,35 +140,3 @@ class InProcessGrid(Grid):
         """Stop the worker threads (tasks still running finish first)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def run_in_process(
-    overrides: str,
-    root: Path | str,
-    *,
-    nodes: int = 3,
-    workers: int = 0,
-    tamper: Callable[[int, Message], Message | None] | None = None,
-    grid: InProcessGrid | None = None,
-) -> tuple[dict[str, Any], InProcessGrid]:
-    """Compose the config from the Hydra `overrides`, run the federation as the ServerApp
-    does (results under `root`) on an in-process grid of `nodes` nodes running the real
-    ClientApp, and return the run's summary and the grid (its counters, node Contexts).
-
-    `grid`: one the caller built (e.g. because its `tamper` refers to it); `nodes`,
-    `workers` and `tamper` are then ignored. The grid's worker threads are stopped before
-    this returns, also when the run raises.
-    """
-    # Imported here, not at the top: the grid alone (strategy tests) needs neither Hydra
-    # nor the server's run code, and app.run imports from app.simulation.
-    from app.client_app import app as client_app
-    from app.config.compose import load_config
-    from app.run.federation import run_federation
-
-    cfg, raw = load_config(overrides)
-    if grid is None:
-        grid = InProcessGrid(client_app, nodes, tamper=tamper, workers=workers)
-    try:
-        return run_federation(grid, cfg, raw, Path(root)), grid
-    finally:
-        grid.close()
