@@ -152,5 +152,7 @@ def test_the_checks_catch_breakage(tmp_path):
     )
     assert anchors(page) == {"why-flwr_x1", "experiment-accuracy-against-ε", "results", "results-1"}
     assert relative_links(page) == ["other.md#x", "fig.png"]
-    assert github_slug("Server aggregation: ours vs Flower's built-ins") == "server-aggregation-ours-vs-flowers-built-ins"
+    assert (
+        github_slug("Server aggregation: ours vs Flower's built-ins") == "server-aggregation-ours-vs-flowers-built-ins"
+    )
     assert github_slug("Asynchronous aggregation (FedBuff)") == "asynchronous-aggregation-fedbuff"

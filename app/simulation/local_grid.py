@@ -27,6 +27,8 @@ from flwr.server.superlink.linkstate.utils import create_message_error_unavailab
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from app.protocol import NUM_PARTITIONS, PARTITION_ID
+
 
 def act_as_server() -> None:
     """Give this process the task identity Flower's runtime would set for a ServerApp,
@@ -51,7 +53,7 @@ class InProcessGrid(Grid):
             1000 + i: Context(
                 run_id=1,
                 node_id=1000 + i,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
+                node_config={PARTITION_ID: i, NUM_PARTITIONS: num_nodes},
                 state=RecordDict(),
                 run_config={},
             )

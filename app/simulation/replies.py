@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 
+from strategies.wire import ARRAYS, METRICS
+
 
 def make_reply(
     node_id: int,
@@ -31,7 +33,7 @@ def make_reply(
         return Message(Error(code=error_code, reason=error), reply_to=ins)
     content = RecordDict()
     if arrays is not None:
-        content["arrays"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        content[ARRAYS] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
     if metrics is not None:
-        content["metrics"] = MetricRecord(metrics)
+        content[METRICS] = MetricRecord(metrics)
     return Message(content, reply_to=ins)
