@@ -15,7 +15,8 @@ from flwr.serverapp import Grid
 from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
-from app.task.data import partition_indices, validation_size
+from app.task.data import DataSpec, partition_indices, validation_size
+from app.task.models import build_model
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
 from strategies.coordinatewise import CoordinateMedian, MedianRule, TrimmedMean, TrimmedMeanRule
 from strategies.fedavg import FedAvg
@@ -25,6 +26,17 @@ from strategies.partitions import PartitionBinding
 from strategies.replies import WeightCap
 from strategies.robust import RobustRule, RobustStrategy
 from strategies.staleness import staleness_fn
+
+
+def global_model(cfg: Config, spec: DataSpec) -> torch.nn.Module:
+    """The model the server holds; under local DP the clients train the Opacus-compatible
+    variant (`make_private_compatible`), so the server's has the same keys."""
+    model = build_model(cfg.model, spec)
+    if cfg.privacy.name != "local":
+        return model
+    from app.privacy.dp_sgd import make_private_compatible  # Opacus: only where local DP needs it
+
+    return make_private_compatible(model)
 
 
 def robust_rule(name: str, st: StrategyConfig, device: torch.device) -> RobustRule:

@@ -24,13 +24,12 @@ from omegaconf import DictConfig
 from app.config.schema import Config, ConfigError
 from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.run.factory import build_strategy, check_cohort, example_cap, run_privacy
+from app.run.factory import build_strategy, check_cohort, example_cap, global_model, run_privacy
 from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.stragglers import client_record, straggler_factors
 from app.task.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
-from app.task.models import build_model
 from app.task.training import evaluate, resolve_device, resolve_precision
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
@@ -92,11 +91,7 @@ class FederatedRun:
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
-        self.model = build_model(cfg.model, spec)
-        if cfg.privacy.name == "local":  # the clients train the Opacus-compatible model: same keys here
-            from app.privacy.dp_sgd import make_private_compatible
-
-            self.model = make_private_compatible(self.model)
+        self.model = global_model(cfg, spec)
         self.arrays = ArrayRecord(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
         self.first_round, self.elapsed_before = 1, 0.0
