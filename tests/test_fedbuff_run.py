@@ -28,8 +28,8 @@ FAST = "strategy=fedbuff train.epochs=1 seed=5 "
 def test_a_slow_nodes_stale_updates_are_discarded_or_down_weighted_as_configured(tmp_path, max_staleness):
     """Partition 0 is slow: each of its replies arrives only after the three fast nodes have
     moved the model on by 12 more versions (buffer K = 1). The delay is counted in fast
-    replies rather than slept (stragglers=fixed sleeps for real: on a loaded machine the
-    fast nodes could finish every version first), so the order is the same on any machine."""
+    replies rather than slept (a real sleep races the fast nodes, which could finish all 40
+    versions first), so the order is the same on any machine."""
     fast_replies, done = [0], threading.Condition()
 
     def tamper(node: int, reply):  # runs in the node's worker thread
