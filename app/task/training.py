@@ -1,10 +1,10 @@
 """The ClientApp's training and evaluation loops.
 
 One training loop (`fit`) for plain training and DP-SGD alike: what differs between
-them is a `Steps` object (optimizer, batches, per-step details). Fast by construction, in the spirit of airbench: the partition is copied to the
-device once (from pinned memory, non-blocking), batches are index gathers on the
-device, loss and accuracy accumulate on the device, and the host synchronises once
-per call. CUDA adds channels_last, cuDNN autotuning and autocast (bf16, or fp16 with
+them is a `Steps` object (optimizer, batches, per-step details). Fast by construction,
+in the spirit of airbench: the partition is copied to the device once (from pinned
+memory, non-blocking), batches are index gathers on the device, loss and accuracy
+accumulate on the device, and the host synchronises once per call. CUDA adds channels_last, cuDNN autotuning and autocast (bf16, or fp16 with
 a GradScaler).
 """
 
