@@ -3,9 +3,9 @@
 10 nodes on scikit-learn digits (IID), 2 of them malicious, for each attack type the
 final test accuracy of FedAvg, Krum, Multi-Krum, median and trimmed mean, next to
 clean FedAvg; averaged over seeds, since one seed's last round can be an outlier
-(Krum adopts a single client's model each round). Runs use the real ServerApp round loop and ClientApp through the
-in-process grid (`app/simulation/local_grid.py`): the same code as under `flwr run`, without
-the SuperLink's start-up cost per run.
+(Krum adopts a single client's model each round). Runs use the real ServerApp round
+loop and ClientApp through the in-process grid (`app/tools/in_process.py`): the same
+code as under `flwr run`, without the SuperLink's start-up cost per run.
 
     python bench/byzantine_experiment.py                  # 90 runs, about 20 min on 2 cores
     python bench/byzantine_experiment.py --rounds 10 --attacks none sign_flip
@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from app.config.schema import ATTACKS  # dependency-free: the parent process stays light
+
 STRATEGIES = {
     "fedavg": "strategy=fedavg",
     "krum": "strategy=krum strategy.num_byzantine=2",
@@ -34,7 +36,6 @@ STRATEGIES = {
     "median": "strategy=median strategy.num_byzantine=2",
     "trimmed_mean": "strategy=trimmed_mean strategy.num_byzantine=2 strategy.trim_ratio=0.2",
 }
-ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 
 
 def run_one(job: tuple[str, str, int, int, int, str]) -> dict:

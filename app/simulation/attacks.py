@@ -14,12 +14,45 @@ nodes are untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from app.config.schema import AttackConfig
+from app.config.registry import Registry
+from app.config.schema import ATTACKS, AttackConfig
 
-MODEL_POISONING = ("sign_flip", "scale", "gaussian", "inflate_weight")
+# What a model-poisoning client sends for one floating-point tensor: (trained t, global g,
+# scale s, generator) -> tensor. None: the attack sends the trained model (label_flip trains
+# on flipped labels; none is honest).
+Poison = Callable[[torch.Tensor, torch.Tensor, float, torch.Generator], torch.Tensor]
+
+
+def _reverse(t: torch.Tensor, g: torch.Tensor, s: float, _gen: torch.Generator) -> torch.Tensor:
+    return g - s * (t - g)
+
+
+def _scale(t: torch.Tensor, g: torch.Tensor, s: float, _gen: torch.Generator) -> torch.Tensor:
+    return g + s * (t - g)
+
+
+def _gaussian(t: torch.Tensor, g: torch.Tensor, s: float, gen: torch.Generator) -> torch.Tensor:
+    return g + s * torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
+
+
+_POISONS: Registry[Poison | None] = Registry(
+    "attack.name",
+    ATTACKS,
+    {
+        "none": None,
+        "label_flip": None,
+        "sign_flip": _reverse,
+        "inflate_weight": _reverse,
+        "scale": _scale,
+        "gaussian": _gaussian,
+    },
+)
+MODEL_POISONING = tuple(name for name in ATTACKS if _POISONS[name] is not None)
 
 
 def malicious_partitions(seed: int, num_partitions: int, num_malicious: int) -> list[int]:
@@ -50,20 +83,12 @@ def poison(
     trained: dict[str, torch.Tensor], global_model: dict[str, torch.Tensor], cfg: AttackConfig, seed: int
 ) -> dict[str, torch.Tensor]:
     """The state a model-poisoning client sends instead of its trained model."""
+    fn = _POISONS[cfg.name]
+    if fn is None:
+        raise ValueError(f"attack.name={cfg.name!r} does not poison models")
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for key, t in trained.items():
         g = global_model[key].to(t.device)
-        if not t.is_floating_point():
-            out[key] = t
-        elif cfg.name in ("sign_flip", "inflate_weight"):
-            out[key] = g - cfg.scale * (t - g)
-        elif cfg.name == "scale":
-            out[key] = g + cfg.scale * (t - g)
-        elif cfg.name == "gaussian":
-            out[key] = g + cfg.scale * torch.randn(t.shape, generator=generator, dtype=torch.float32).to(
-                t.device, t.dtype
-            )
-        else:
-            raise ValueError(f"attack.name={cfg.name!r} does not poison models")
+        out[key] = fn(t, g, cfg.scale, generator) if t.is_floating_point() else t
     return out

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from app.config.schema import StragglersConfig
+from app.config.registry import Registry
+from app.config.schema import STRAGGLERS, StragglersConfig
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -30,16 +32,27 @@ class SimulatedDropout(RuntimeError):
     """The ClientApp plays a node that crashed mid-task."""
 
 
+def _fixed(cfg: StragglersConfig, num_partitions: int, _seed: int) -> list[float]:
+    return [float(cfg.factors[i]) if i < len(cfg.factors) else 1.0 for i in range(num_partitions)]
+
+
+def _lognormal(cfg: StragglersConfig, num_partitions: int, seed: int) -> list[float]:
+    # Durations relative to each other are lognormal; the fastest node runs at full
+    # speed (a slowdown below 1 would need faster hardware than this machine).
+    z = np.random.default_rng(np.random.SeedSequence([seed, 0x57A6])).standard_normal(num_partitions)
+    return [math.exp(cfg.sigma * float(v - z.min())) for v in z]
+
+
+_FACTORS: Registry[Callable[[StragglersConfig, int, int], list[float]]] = Registry(
+    "stragglers.name",
+    STRAGGLERS,
+    {"none": lambda _cfg, n, _seed: [1.0] * n, "fixed": _fixed, "lognormal": _lognormal},
+)
+
+
 def straggler_factors(cfg: StragglersConfig, num_partitions: int, seed: int) -> list[float]:
     """Slowdown of partition 0 .. num_partitions − 1 (1.0 = full speed)."""
-    if cfg.name == "fixed":
-        return [float(cfg.factors[i]) if i < len(cfg.factors) else 1.0 for i in range(num_partitions)]
-    if cfg.name == "lognormal":
-        # Durations relative to each other are lognormal; the fastest node runs at full
-        # speed (a slowdown below 1 would need faster hardware than this machine).
-        z = np.random.default_rng(np.random.SeedSequence([seed, 0x57A6])).standard_normal(num_partitions)
-        return [math.exp(cfg.sigma * float(v - z.min())) for v in z]
-    return [1.0] * num_partitions
+    return _FACTORS[cfg.name](cfg, num_partitions, seed)
 
 
 def client_record(cfg: StragglersConfig, num_partitions: int, seed: int) -> dict[str, list[float] | float]:
