@@ -14,6 +14,8 @@ from types import ModuleType
 
 from flwr.app import Context, RecordDict
 
+from app.protocol import NUM_PARTITIONS, PARTITION_ID
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,7 +24,7 @@ def context_for(partition_id: int, num_partitions: int, node_config: dict | None
     return Context(
         run_id=1,
         node_id=1000 + partition_id,
-        node_config=node_config or {"partition-id": partition_id, "num-partitions": num_partitions},
+        node_config=node_config or {PARTITION_ID: partition_id, NUM_PARTITIONS: num_partitions},
         state=RecordDict(),
         run_config={},
     )
