@@ -238,7 +238,8 @@ class FederatedRun:
                 grid.send_and_receive(strategy.configure_train(rnd, self.arrays, config, grid), timeout=timeout)
             )
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
-            self.privacy.record_spending(reply_metrics(replies))
+            client_metrics = reply_metrics(replies)
+            self.privacy.record_spending(client_metrics)
             if self.privacy.spent_before_release(federated_eval):
                 # Spending that has left the server goes on record before anything else can crash:
                 # the previous model with this round's spending, so a crash before the round's own
@@ -255,7 +256,14 @@ class FederatedRun:
             row = {
                 **self.timed_row(rnd, acc, loss, time.time() - t0),
                 **round_row(
-                    rnd, report, replies, strategy.robust_row(), new_arrays is not None, train_metrics, fed_eval
+                    rnd,
+                    report,
+                    len(replies),
+                    client_metrics,
+                    strategy.robust_row(),
+                    new_arrays is not None,
+                    train_metrics,
+                    fed_eval,
                 ),
             }
             self.finish_round(rnd, row)

@@ -67,25 +67,27 @@ def _rejections(items: list) -> list[dict[str, Any]]:
 def round_row(
     rnd: int,
     report: RoundReport,
-    replies: list[Message],
+    num_replies: int,
+    client_metrics: list[tuple[int, MetricRecord]],
     robust: dict[str, Any] | None,
     updated: bool,
     train: MetricRecord | None,
     federated_eval: MetricRecord | None,
 ) -> dict[str, Any]:
     """A synchronous round's row, less the run's own columns (accuracy, loss, times); `robust` is
-    the robust rule's picks (`strategy.robust_row()`, None for a plain mean)."""
+    the robust rule's picks (`strategy.robust_row()`, None for a plain mean); `client_metrics`
+    the successful replies' (`reply_metrics`)."""
     return {
         "round": rnd,
         "num_sampled": report.sampled,
         "num_clients": len(report.accepted),
         "num_rejected": len(report.rejected),
-        "num_missing": report.sampled - len(replies),
+        "num_missing": report.sampled - num_replies,
         "model_updated": updated,
         "rejected": _rejections(report.rejected),
         "capped_weights": report.capped,
         "robust": robust,
-        "node_partitions": node_partitions(reply_metrics(replies)),
+        "node_partitions": node_partitions(client_metrics),
         "train": dict(train) if train else {},
         "federated_eval": dict(federated_eval) if federated_eval else {},
     }
