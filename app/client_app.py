@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from app.protocol import (
@@ -47,12 +47,21 @@ from app.task.data import (
     split_validation,
 )
 from app.task.models import build_model
-from app.task.telemetry import GpuTelemetry
-from app.task.training import Precision, evaluate, prepare_model, resolve_device, resolve_precision, train
+from app.task.telemetry import GpuTelemetry, log_hidden_gpus_once
+from app.task.training import (
+    Precision,
+    evaluate,
+    prepare_model,
+    resolve_device,
+    resolve_precision,
+    train,
+    with_layout,
+)
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 app = ClientApp()
+SCALER_STATE = "amp-grad-scaler"  # ConfigRecord in context.state: the fp16 GradScaler's state between rounds
 
 
 @lru_cache(maxsize=8)
@@ -108,7 +117,9 @@ class Job:
 def prepare_job(msg: Message, context: Context) -> Job:
     record = dict(msg.content[CONFIG])
     settings, spec = ClientSettings.from_record(record), spec_from_record(record)
-    precision = resolve_precision(settings.train.amp, resolve_device(settings.train.device))
+    device = resolve_device(settings.train.device)
+    if device.type == "cpu" and settings.train.device == "auto":
+        log_hidden_gpus_once()
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     if settings.privacy.name == "local":
@@ -116,6 +127,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
 
         model = make_private_compatible(model)  # the server's global model went through it too
     model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
+    precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last)
     return Job(record, settings, spec, precision, train_data, val_data, prepare_model(model, precision))
 
 
@@ -123,6 +135,16 @@ def partition_of(context: Context) -> int | None:
     """This node's partition id in simulation; None for a deployed node with its own data."""
     cfg = context.node_config
     return None if cfg.get(DATA_PATH) or PARTITION_ID not in cfg else int(cfg[PARTITION_ID])
+
+
+def load_scaler_state(state: RecordDict) -> dict[str, float | int] | None:
+    """This node's fp16 GradScaler state from its previous round, if any."""
+    return dict(state[SCALER_STATE]) if SCALER_STATE in state else None
+
+
+def save_scaler_state(state: RecordDict, scaler_state: dict[str, float | int]) -> None:
+    if scaler_state:
+        state[SCALER_STATE] = ConfigRecord(scaler_state)
 
 
 @app.train()
@@ -155,7 +177,9 @@ def train_handler(msg: Message, context: Context) -> Message:
                 keys=(history_key(partition, context.node_id), history_key(None, context.node_id)),
             )
         else:
-            stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed), {}
+            scaler_state = load_scaler_state(context.state)
+            stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed, scaler_state), {}
+            save_scaler_state(context.state, stats.scaler_state)
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int | list[float] | list[int]] = {
         NUM_EXAMPLES: reported_examples(attack, stats.num_examples) if malicious else stats.num_examples,
@@ -170,6 +194,8 @@ def train_handler(msg: Message, context: Context) -> Message:
         metrics |= dict(zip(TRAIN_METRICS, (stats.loss, stats.accuracy, stats.samples_per_s), strict=True))
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
+    if job.precision.amp == "fp16":
+        metrics["amp-skipped-steps"] = stats.skipped_steps
     if partition is not None:
         metrics[PARTITION_ID] = partition
     state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}

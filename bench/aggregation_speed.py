@@ -60,6 +60,13 @@ What it measures
     compared after rounding), and for Krum / Multi-Krum the selected nodes (Flower's
     from `select_multikrum`) and the averaged models.
 
+    Device: `--device` (default cpu) is where ours aggregate (auto, cpu, cuda, cuda:N);
+    Flower's built-ins always run on the CPU. On CUDA each of our runs is bracketed by
+    `torch.cuda.synchronize()` (so the clock sees the finished work), its peak device
+    memory is `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, and
+    its result is checked against the same method on the CPU (FedAvg within 1e-6, the
+    same Krum / Multi-Krum picks). The memory children aggregate on the same device.
+
     Busy machine: `--load N` runs N background processes that train a small conv layer
     with torch (default intra-op threads, like simulated ClientApps sharing the CPU)
     while timing. "other processes used X% of the CPU" is printed in every run, from
@@ -73,6 +80,7 @@ memory beyond the received updates <= two model copies plus one block
 Run from the repository root:
     python bench/aggregation_speed.py [--clients 20] [--reps 7] [--json out.json]
     python bench/aggregation_speed.py --only fedavg,krum --load 1 --threads 1 --no-memory
+    python bench/aggregation_speed.py --device cuda --no-memory
 """
 
 from __future__ import annotations
@@ -110,6 +118,7 @@ from app.simulation.local_grid import act_as_server  # noqa: E402
 from app.simulation.replies import make_reply  # noqa: E402
 from app.task.data import DataSpec  # noqa: E402
 from app.task.models import build_model  # noqa: E402
+from app.task.training import resolve_device  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
 from strategies.krum import Krum, MultiKrum  # noqa: E402
 from strategies.replies import specs_of  # noqa: E402
@@ -125,6 +134,7 @@ GOAL_FEDAVG_SPEEDUP = 3.0
 GOAL_FEDAVG_BW_FRACTION = 0.40
 GOAL_KRUM_SPEEDUP = 5.0
 FEDAVG_ATOL = 1e-6
+CPU = torch.device("cpu")
 
 PAIRS = {  # short name -> (label, ours, Flower's, speed-up goal)
     "fedavg": ("FedAvg", "ours_fedavg", "flower_fedavg", GOAL_FEDAVG_SPEEDUP),
@@ -232,11 +242,33 @@ def flower_multikrum(m: int) -> Callable[[list[Message]], ArrayRecord | None]:
     return run
 
 
-def make_methods(global_record: ArrayRecord, names: tuple[str, ...] = METHODS) -> dict[str, tuple[Callable, Any]]:
-    """name -> (callable on replies, our strategy object or None)."""
-    fedavg = FedAvg()
-    krum = Krum(num_byzantine=NUM_BYZANTINE)
-    multikrum = MultiKrum(num_byzantine=NUM_BYZANTINE, num_selected=MULTI_M)
+def on_device(fn: Callable, device: torch.device, peaks: list[int]) -> Callable[[list[Message]], Any]:
+    """`fn` with the device synchronised before and after (the caller's clock sees the
+    finished work); appends its peak device memory beyond what was allocated before."""
+
+    def run(replies: list[Message]) -> Any:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = fn(replies)
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - before)
+        return out
+
+    return run
+
+
+def make_methods(
+    global_record: ArrayRecord,
+    names: tuple[str, ...] = METHODS,
+    device: torch.device = CPU,
+    peaks: dict[str, list[int]] | None = None,
+) -> dict[str, tuple[Callable, Any]]:
+    """name -> (callable on replies, our strategy object or None). Ours aggregate on
+    `device`; on CUDA they are synchronised and their peak memory goes to `peaks`."""
+    fedavg = FedAvg(device=device)
+    krum = Krum(num_byzantine=NUM_BYZANTINE, device=device)
+    multikrum = MultiKrum(num_byzantine=NUM_BYZANTINE, num_selected=MULTI_M, device=device)
     methods = {
         "ours_fedavg": (ours(fedavg, global_record), fedavg),
         "flower_fedavg": (flower_fedavg, None),
@@ -245,6 +277,11 @@ def make_methods(global_record: ArrayRecord, names: tuple[str, ...] = METHODS) -
         "ours_multikrum": (ours(multikrum, global_record), multikrum),
         "flower_multikrum": (flower_multikrum(MULTI_M), None),
     }
+    if device.type == "cuda":
+        peaks = {} if peaks is None else peaks
+        for name, (fn, strategy) in methods.items():
+            if strategy is not None:
+                methods[name] = (on_device(fn, device, peaks.setdefault(name, [])), strategy)
     return {name: methods[name] for name in names}
 
 
@@ -345,11 +382,11 @@ def _trim() -> None:
         pass
 
 
-def memory_child(method: str, clients: int) -> None:
+def memory_child(method: str, clients: int, device: torch.device = CPU) -> None:
     """Runs in a fresh process: print {"extra_bytes": ..., "how": ...} for one method."""
     quiet_logs()
     global_record, replies, _ = build_replies(clients)
-    fn, _ = make_methods(global_record, (method,))[method]
+    fn, _ = make_methods(global_record, (method,), device)[method]
     out = fn(replies)  # warm-up
     del out
     _trim()
@@ -386,7 +423,9 @@ def memory_child(method: str, clients: int) -> None:
     del out
 
 
-def measure_memory(methods: tuple[str, ...], clients: int, threads: int) -> dict[str, dict[str, Any]]:
+def measure_memory(
+    methods: tuple[str, ...], clients: int, threads: int, device: torch.device = CPU
+) -> dict[str, dict[str, Any]]:
     """Per method: {"4k": child result, "thp": child result} (see the module docstring)."""
     out: dict[str, dict[str, Any]] = {}
     for method in methods:
@@ -402,6 +441,7 @@ def measure_memory(methods: tuple[str, ...], clients: int, threads: int) -> dict
                     str(clients),
                     "--threads",
                     str(threads),
+                    *(["--device", str(device)] if device != CPU else []),
                 ],
                 capture_output=True,
                 text=True,
@@ -463,6 +503,29 @@ def check_results(
     return checks
 
 
+def check_device(
+    results: dict[str, Any],
+    methods: dict[str, tuple[Callable, Any]],
+    global_record: ArrayRecord,
+    replies: list[Message],
+    pairs: list[str],
+) -> dict[str, Any]:
+    """Ours on the device vs ours on the CPU: FedAvg within FEDAVG_ATOL, the same picks."""
+    checks: dict[str, Any] = {}
+    names = tuple(PAIRS[p][1] for p in pairs)
+    on_cpu = make_methods(global_record, names, CPU)
+    for p, name in zip(pairs, names, strict=True):
+        fn, strategy = on_cpu[name]
+        worst, _ = _max_abs_diff(results[name], fn(replies))
+        row: dict[str, Any] = {"max_abs_diff": worst, "ok": worst <= FEDAVG_ATOL}
+        if p != "fedavg":
+            row["device_selected"] = list(methods[name][1].train_report.accepted)
+            row["cpu_selected"] = list(strategy.train_report.accepted)
+            row["ok"] = row["ok"] and sorted(row["device_selected"]) == sorted(row["cpu_selected"])
+        checks[p] = row
+    return checks
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -479,6 +542,11 @@ def main() -> None:
     parser.add_argument(
         "--load", type=int, default=0, help="background torch-training processes while timing (default 0)"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where ours aggregate: auto, cpu, cuda or cuda:N (default cpu; Flower's built-ins stay on the CPU)",
+    )
     parser.add_argument("--memory-child", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     pairs = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -488,8 +556,9 @@ def main() -> None:
         parser.error(f"--clients must be >= {max(2 * NUM_BYZANTINE + 3, NUM_BYZANTINE + MULTI_M)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     if args.memory_child:
-        memory_child(args.memory_child, args.clients)
+        memory_child(args.memory_child, args.clients, device)
         return
     threads = torch.get_num_threads()
     quiet_logs()
@@ -509,13 +578,18 @@ def main() -> None:
         f"numpy {np.__version__}; Python {platform.python_version()}"
         + (f"; {args.load} background torch-training processes while timing" if args.load else "")
     )
+    if device != CPU:
+        gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+        print(f"ours aggregate on {device}{gpu}; Flower's built-ins on the CPU")
 
-    methods = make_methods(global_record, names)
+    peaks: dict[str, list[int]] = {}
+    methods = make_methods(global_record, names, device, peaks)
     with BackgroundLoad(args.load):
         times, cpu_times, results, others_share = time_methods(methods, replies, args.reps, update_bytes)
     checks = check_results(results, methods, replies, pairs)
+    device_checks = check_device(results, methods, global_record, replies, pairs) if device != CPU else None
     del results
-    memory = None if args.no_memory else measure_memory(names, args.clients, threads)
+    memory = None if args.no_memory else measure_memory(names, args.clients, threads, device)
 
     med = {name: statistics.median(ts) for name, ts in times.items()}
     bw = {
@@ -591,6 +665,11 @@ def main() -> None:
                 f"   {thp / 1e6:8.1f} MB = {thp / model_bytes:5.2f} models{verdict}"
             )
 
+    if peaks:
+        print(f"\npeak {device} memory per run (max_memory_allocated beyond what was allocated before; max of runs)")
+        for name, values in peaks.items():
+            print(f"  {name:17s} {max(values) / 1e6:8.1f} MB = {max(values) / model_bytes:5.2f} models")
+
     print("\nresults: ours vs Flower")
     if "fedavg" in checks:
         c = checks["fedavg"]
@@ -611,6 +690,19 @@ def main() -> None:
                 f"  {PAIRS[label][0]}: ours selected {sorted(c['ours_selected'])}, Flower "
                 f"{sorted(c['flower_selected'])} ({'same' if c['same_selection'] else 'DIFFERENT'}); "
                 f"averaged model max |diff| = {c['max_abs_diff']:.2e}: {'equal' if c['ok'] else 'DIFFERENT'}"
+            )
+
+    if device_checks is not None:
+        print(f"\nresults: ours on {device} vs ours on the CPU")
+        for p, c in device_checks.items():
+            picks = (
+                f"; selected {sorted(c['device_selected'])} vs {sorted(c['cpu_selected'])}"
+                if "cpu_selected" in c
+                else ""
+            )
+            print(
+                f"  {PAIRS[p][0]}: max |{device} - cpu| = {c['max_abs_diff']:.2e}{picks}: "
+                f"{'equal' if c['ok'] else 'DIFFERENT'}"
             )
 
     if args.json:
@@ -638,6 +730,8 @@ def main() -> None:
             "memory_budget_bytes": mem_budget,
             "checks": checks,
         }
+        if device != CPU:
+            payload |= {"device": str(device), "device_peak_bytes": peaks, "device_checks": device_checks}
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"\nwrote {args.json}")
 

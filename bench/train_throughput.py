@@ -2,13 +2,14 @@
 
 What it measures
     1. "ours": the ClientApp's training path exactly as `app/client_app.py::train_handler`
-       runs it: `resolve_precision` -> `prepare_model` -> `GpuTelemetry(...)` around
+       runs it: `resolve_precision` -> `with_layout` -> `prepare_model` -> `GpuTelemetry(...)` around
        `app.task.training.train(...)`. Timed from entering the telemetry context to a device
        sync after it exits, so data staging, optimizer creation, loss/accuracy
        accumulation and telemetry start/stop are all inside the measurement.
     2. "plain": a textbook loop (`model.train()`; per batch `zero_grad`, forward,
        `cross_entropy`, `backward`, `step`) with the same SGD-momentum settings, batch
-       size, epochs, shuffle rule and precision (fp32). Its inputs are the same images,
+       size, epochs, shuffle rule, precision (fp32) and memory layout (channels_last
+       exactly where ours picks it: `use_channels_last`, so like is compared with like). Its inputs are the same images,
        converted to float 0-1 once and placed on the device *before* timing (the most
        favourable setting for the baseline; `--plain-input uint8` makes it convert each
        batch like ours does). No metrics are accumulated.
@@ -62,7 +63,14 @@ from app.config.schema import DatasetConfig, ModelConfig, TrainConfig  # noqa: E
 from app.task.data import DataSpec, ImageTensors, data_spec, load_splits, materialize  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.task.telemetry import GpuTelemetry  # noqa: E402
-from app.task.training import prepare_model, resolve_device, resolve_precision, train  # noqa: E402
+from app.task.training import (  # noqa: E402
+    prepare_model,
+    resolve_device,
+    resolve_precision,
+    train,
+    use_channels_last,
+    with_layout,
+)
 
 GOAL_RATIO = 0.97
 
@@ -161,9 +169,10 @@ class RunResult:
 
 def run_ours(w: Workload, device: torch.device, amp: str, seed: int) -> RunResult:
     """The path of `train_handler`: resolve_precision, prepare_model, GpuTelemetry around train()."""
-    precision = resolve_precision(amp, device)
     cfg = TrainConfig(**{**asdict(w.cfg), "amp": amp, "device": str(device)})
-    model = prepare_model(w.fresh_model(), precision)
+    model = w.fresh_model()
+    precision = with_layout(resolve_precision(amp, device), model, cfg.channels_last)
+    model = prepare_model(model, precision)
     torch.manual_seed(seed)
     sync(device)
     start = time.perf_counter()
@@ -178,15 +187,22 @@ def run_ours(w: Workload, device: torch.device, amp: str, seed: int) -> RunResul
     return RunResult(expected / wall, wall, stats.samples_per_s, peak)
 
 
+def plain_layout(w: Workload, device: torch.device) -> torch.memory_format:
+    """The layout ours trains `w`'s model in on `device` (train.channels_last=auto)."""
+    channels_last = use_channels_last(w.fresh_model(), w.cfg.channels_last, device)
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 def plain_inputs(w: Workload, device: torch.device, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The baseline's tensors, made once before timing."""
+    """The baseline's tensors, made once before timing, in ours' layout."""
     x = w.data.x.float().div_(255.0) if mode == "float" else w.data.x
-    return x.to(device), w.data.y.to(device)
+    return x.to(device).contiguous(memory_format=plain_layout(w, device)), w.data.y.to(device)
 
 
 def run_plain(w: Workload, device: torch.device, x: torch.Tensor, y: torch.Tensor, seed: int) -> RunResult:
     """Textbook fp32 loop: model.train(); zero_grad, forward, cross_entropy, backward, step."""
-    model = w.fresh_model().to(device)
+    layout = plain_layout(w, device)
+    model = w.fresh_model().to(device, memory_format=layout)
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     n, bs = len(y), w.cfg.batch_size
@@ -205,7 +221,7 @@ def run_plain(w: Workload, device: torch.device, x: torch.Tensor, y: torch.Tenso
             idx = perm[i : i + bs]
             if len(idx) < 2 and i > 0:  # same rule as ours: BatchNorm cannot train on one sample
                 continue
-            xb = x[idx] if x.dtype != torch.uint8 else x[idx].float().div_(255.0)
+            xb = (x[idx] if x.dtype != torch.uint8 else x[idx].float().div_(255.0)).contiguous(memory_format=layout)
             yb = y[idx]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
@@ -371,10 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     on_cuda = device.type == "cuda"
-    if on_cuda:
-        # prepare_model turns cuDNN autotuning on process-wide; turn it on up front so
-        # the baseline gets it too and the ratio measures the loop, not the autotuner.
-        torch.backends.cudnn.benchmark = True
     machine = machine_info(device)
     t0 = time.perf_counter()
 

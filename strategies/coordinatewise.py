@@ -20,7 +20,7 @@ import torch
 
 from strategies.replies import Screened, WeightCap
 from strategies.robust import RobustRule, RobustStrategy, RuleReport, median_too_few
-from strategies.robust_ops import apply_update, coordinatewise
+from strategies.robust_ops import apply_update, coordinatewise, stage_groups
 from strategies.tensor_ops import TensorDict
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -47,7 +47,7 @@ class MedianRule(RobustRule):
     def combine(
         self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
     ) -> TensorDict | None:
-        models = [r.arrays for r in screened.valid]
+        (current,), models, bases = stage_groups(self.device, [current], [r.arrays for r in screened.valid], bases)
         trim = self.trim(len(models))
         log.info(
             "round %d: %s over %d updates%s",

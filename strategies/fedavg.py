@@ -35,7 +35,7 @@ from strategies.replies import (
     specs_of,
     weighted_metrics,
 )
-from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, tensors_to_record, weighted_mean
+from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, stage, tensors_to_record, weighted_mean
 from strategies.wire import ARRAYS, CONFIG, NUM_EXAMPLES, SERVER_ROUND
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -235,10 +235,13 @@ class FedAvg(Strategy):
 
         The weighted mean is computed first; a NaN or Inf in the result points to the
         replies that caused it, which are rejected before the mean is recomputed. The
-        common case thus reads every reply once.
+        common case thus reads every reply once (and uploads it once to a GPU: a
+        recomputation reuses the staged copies).
         """
+        staged = dict(zip(map(id, screened.valid), stage([r.arrays for r in screened.valid], self.device), strict=True))
         while screened.valid:
-            out = weighted_mean([r.arrays for r in screened.valid], [r.weight for r in screened.valid], self.device)
+            models = [staged[id(r)] for r in screened.valid]
+            out = weighted_mean(models, [r.weight for r in screened.valid], self.device)
             bad_keys = [k for k, t in out.items() if not is_finite(t)]
             if not bad_keys:
                 return out

@@ -501,12 +501,16 @@ class FedBuff(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Version, counters and server momentum. Buffered updates and tasks in flight
         are not saved: after a resume the nodes are simply sent the current version."""
+        # Velocity on the CPU, copied: checkpoints load with map_location="cpu", and later steps must not change it.
+        velocity = (
+            None if self.velocity is None else {k: v.detach().to("cpu", copy=True) for k, v in self.velocity.items()}
+        )
         return {
             "strategy": "FedBuff",
             "version": self.version,
             "tasks_sent": self.tasks_sent,
             "discarded_total": self.discarded_total,
-            "velocity": self.velocity,
+            "velocity": velocity,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -515,4 +519,10 @@ class FedBuff(Strategy):
         self.version = int(state["version"])
         self.tasks_sent = int(state["tasks_sent"])
         self.discarded_total = int(state["discarded_total"])
-        self.velocity = state["velocity"]
+        velocity = state["velocity"]
+        if velocity is not None and not (
+            isinstance(velocity, dict) and all(isinstance(v, torch.Tensor) for v in velocity.values())
+        ):
+            raise ValueError(f"checkpoint's FedBuff velocity must be None or a dict of tensors, not {type(velocity)}")
+        # Back to the aggregation device (the checkpoint was loaded onto the CPU); dtype kept.
+        self.velocity = None if velocity is None else {k: v.to(self.device, copy=True) for k, v in velocity.items()}

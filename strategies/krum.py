@@ -16,7 +16,9 @@ buffer); `MultiKrum` and `Krum` are the synchronous strategies built on them.
 
 Distances come from a Gram matrix of the updates accumulated block by block
 (`robust_ops.update_gram`), never from an n × d copy; its diagonal also tells which
-updates hold NaN or Inf, so no separate pass screens them.
+updates hold NaN or Inf, so no separate pass screens them. The replies and their bases
+are staged on the aggregation device once (`robust_ops.stage_groups`), then read there
+by the Gram matrix and again by the mean of the selected.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from strategies.robust_ops import (
     krum_scores,
     select_lowest,
     squared_distances,
+    stage_groups,
     update_gram,
     weighted_update_mean,
 )
@@ -87,14 +90,15 @@ class MultiKrumRule(RobustRule):
     def combine(
         self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
     ) -> TensorDict | None:
-        models = [r.arrays for r in screened.valid]
+        (current,), models, bases = stage_groups(self.device, [current], [r.arrays for r in screened.valid], bases)
         gram = update_gram(models, bases, self.device)
         finite = torch.isfinite(gram.diagonal()).tolist()
         if not all(finite):
             bad = [not ok for ok in finite]
             bases = reject_where(screened, bases, bad, "non-finite values (NaN or Inf) in its update")
+            models = [m for m, ok in zip(models, finite, strict=True) if ok]
             if (reason := self.too_few(len(bases))) is not None:
-                return self.apply_policy(server_round, current, screened, bases, reason, report)
+                return self.apply_policy(server_round, current, screened, bases, reason, report, models)
             keep = [i for i, ok in enumerate(finite) if ok]
             gram = gram[keep][:, keep]
         scores = krum_scores(squared_distances(gram), self.num_byzantine)
@@ -110,13 +114,13 @@ class MultiKrumRule(RobustRule):
             report.excluded,
             {k: f"{v:.4g}" if math.isfinite(v) else v for k, v in report.scores.items()},
         )
-        bases = [bases[i] for i in chosen]
+        models, bases = [models[i] for i in chosen], [bases[i] for i in chosen]
         weights = [r.scale for r in selected]  # not r.weight: claimed counts must not undo the selection
-        if all(b is current for b in bases):
+        if all(b is current for b in bases):  # staging maps one base object to one staged object
             # One base (a synchronous round): the mean of the selected models is
             # global + the mean of their updates, without forming the updates.
-            return weighted_mean([r.arrays for r in selected], weights, self.device)
-        return apply_update(current, weighted_update_mean([r.arrays for r in selected], bases, weights, self.device))
+            return weighted_mean(models, weights, self.device)
+        return apply_update(current, weighted_update_mean(models, bases, weights, self.device))
 
 
 class KrumRule(MultiKrumRule):

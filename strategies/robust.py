@@ -29,7 +29,7 @@ import torch
 from strategies.fedavg import FedAvg
 from strategies.names import POLICIES
 from strategies.replies import Screened, WeightCap, reject
-from strategies.robust_ops import apply_update, coordinatewise
+from strategies.robust_ops import apply_update, coordinatewise, stage_groups
 from strategies.tensor_ops import TensorDict, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -137,11 +137,17 @@ class RobustRule(ABC):
         bases: list[TensorDict],
         reason: str,
         report: RuleReport,
+        models: list[TensorDict] | None = None,
     ) -> TensorDict | None:
-        """The too-few policy (module docstring): the fallback median's model, or None to skip."""
+        """The too-few policy (module docstring): the fallback median's model, or None to skip.
+
+        `models`: the valid replies' arrays when the caller has staged them already
+        (default: `screened.valid`'s own)."""
         if self.on_too_few == "fallback":
-            bad = [not all(is_finite(t) for t in r.arrays.values()) for r in screened.valid]
+            models = [r.arrays for r in screened.valid] if models is None else models
+            bad = [not all(is_finite(t) for t in m.values()) for m in models]
             bases = reject_where(screened, bases, bad, "non-finite values (NaN or Inf)")
+            models = [m for m, is_bad in zip(models, bad, strict=True) if not is_bad]
             problem = median_too_few(len(screened.valid), self.num_byzantine)
             if problem is None:
                 report.policy = "fallback-median"
@@ -151,7 +157,7 @@ class RobustRule(ABC):
                     reason,
                     len(screened.valid),
                 )
-                models = [r.arrays for r in screened.valid]
+                (current,), models, bases = stage_groups(self.device, [current], models, bases)
                 return apply_update(current, coordinatewise(models, bases, None, self.device))
             reason = f"{reason}; policy fallback cannot help: {problem}"
         report.policy = "skip"

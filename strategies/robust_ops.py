@@ -6,18 +6,34 @@ synchronous round passes the same global model as every base, the asynchronous
 buffer passes each update's own version. Nothing materialises the n x d update
 matrix: work goes through one n x block buffer at a time, so the extra memory beyond
 the received arrays is one model-sized output plus one block (plus n x n scalars).
+
+On another device than the replies' (a GPU server), every function first `stage`s its
+models and bases there, one upload per distinct dict; a rule that calls several of
+them stages once at its entry (`stage_groups`), so the later calls copy nothing. The
+device then also holds the n replies and their distinct bases for the rule's duration.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from strategies.tensor_ops import TensorDict
+from strategies.tensor_ops import TensorDict, stage
 
 DEFAULT_BLOCK_BYTES = 4 << 20  # 4 MiB: the n x block float32 buffer stays in cache
+
+
+def stage_groups(device: torch.device, *groups: Sequence[Mapping[str, torch.Tensor]]) -> list[list[TensorDict]]:
+    """`stage` of several lists at once (e.g. [current], models, bases), split back: a dict
+    in more than one list (the global model as every base) is uploaded once."""
+    staged = stage([d for group in groups for d in group], device)
+    out, start = [], 0
+    for group in groups:
+        out.append(staged[start : start + len(group)])
+        start += len(group)
+    return out
 
 
 def float_keys(like: TensorDict) -> list[str]:
@@ -41,11 +57,10 @@ def _block_elems(n: int, block_bytes: int) -> int:
 def fill_update_block(
     out: torch.Tensor, models: Sequence[TensorDict], bases: Sequence[TensorDict], key: str, start: int, end: int
 ) -> torch.Tensor:
-    """out[i] = (models[i][key] - bases[i][key]).flatten()[start:end], as float32 on out's device."""
+    """out[i] = (models[i][key] - bases[i][key]).flatten()[start:end], in out's dtype; models
+    and bases are on out's device already (`stage`)."""
     for i, (model, base) in enumerate(zip(models, bases, strict=True)):
-        m = model[key].reshape(-1)[start:end].to(out.device, non_blocking=True)
-        b = base[key].reshape(-1)[start:end].to(out.device, non_blocking=True)
-        torch.sub(m, b, out=out[i])
+        torch.sub(model[key].reshape(-1)[start:end], base[key].reshape(-1)[start:end], out=out[i])
     return out
 
 
@@ -99,6 +114,7 @@ def update_gram(
     finite updates untouched: the diagonal doubles as a finiteness check of every update.
     """
     n = len(models)
+    models, bases = stage_groups(device, models, bases)
     gram = torch.zeros(n, n, dtype=torch.float64, device=device)
     keys = float_keys(models[0])
     if not keys:
@@ -116,17 +132,13 @@ def update_gram(
     for b in bases:
         flat_bases.setdefault(id(b), flat(b))
     rows = list(zip(flat_models, [flat_bases[id(b)] for b in bases], strict=True))
-    on_device = all(t.device == device for model, base in rows for t in model + base)
     for parts in _packed_blocks(sizes, block):
         width = parts[-1][3] + parts[-1][2] - parts[-1][1]
         b = buf[:, :width]
         for i, (model, base) in enumerate(rows):
             row = b[i]
             for index, start, end, col in parts:
-                m, g = model[index][start:end], base[index][start:end]
-                if not on_device:
-                    m, g = m.to(device, non_blocking=True), g.to(device, non_blocking=True)
-                torch.sub(m, g, out=row[col : col + end - start])
+                torch.sub(model[index][start:end], base[index][start:end], out=row[col : col + end - start])
         torch.mm(b, b.T, out=prod)
         gram += prod
     return gram
@@ -177,6 +189,7 @@ def coordinatewise(
     n = len(models)
     if trim is not None and not 0 <= 2 * trim < n:
         raise ValueError(f"trimming {trim} from each end of {n} values leaves nothing")
+    models, bases = stage_groups(device, models, bases)
     block = _block_elems(n, block_bytes)
     out: TensorDict = {}
     for key, ref in models[0].items():
@@ -205,20 +218,24 @@ def weighted_update_mean(
     total = float(sum(weights))
     if not models or len(weights) != len(models) or not total > 0:
         raise ValueError("weighted_update_mean needs one positive weight per update and at least one update")
+    models, bases = stage_groups(device, models, bases)
     out: TensorDict = {}
     for key, ref in models[0].items():
         dtype = update_dtype(ref)
         acc = torch.zeros(ref.shape, dtype=dtype, device=device)
         for model, base, w in zip(models, bases, weights, strict=True):
-            acc.add_(model[key].to(device, dtype), alpha=w / total).sub_(base[key].to(device, dtype), alpha=w / total)
+            acc.add_(model[key].to(dtype), alpha=w / total).sub_(base[key].to(dtype), alpha=w / total)
         out[key] = acc
     return out
 
 
 def apply_update(base: TensorDict, update: TensorDict) -> TensorDict:
-    """base + update, back in base's dtypes (integer tensors rounded)."""
+    """base + update, back in base's dtypes (integer tensors rounded), on update's device
+    (base `stage`d there)."""
+    if update:
+        (base,) = stage([base], next(iter(update.values())).device)
     out: TensorDict = {}
     for key, ref in base.items():
-        value = ref.to(update[key].device, update[key].dtype) + update[key]
+        value = ref.to(update[key].dtype) + update[key]
         out[key] = (value if ref.is_floating_point() else value.round()).to(ref.dtype)
     return out

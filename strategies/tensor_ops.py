@@ -4,7 +4,8 @@ weighted mean, and flatten/unflatten for strategies that work on one vector per 
 Flower's `aggregate_arrayrecords` deserialises every Array with `np.load` (a copy),
 multiplies it into a new array (another copy) and adds. Here a received Array is
 viewed in place (`torch.frombuffer` over its .npy payload) and accumulated with one
-fused `add_(x, alpha=w)` per tensor, on the server's device.
+fused `add_(x, alpha=w)` per tensor, on the server's device. On another device than
+the replies' (a GPU server), `stage` first uploads each reply once, in one transfer.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import functools
 import io
 import math
 import warnings
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -157,13 +160,82 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else torch.float64
 
 
+STAGE_ALIGN = 64  # bytes: where each tensor of a packed upload starts (vectorised kernels want >= 16)
+STAGE_IN_FLIGHT = 2  # pinned buffers whose copies may still run: packing one dict overlaps copying the last
+
+
+def _resident(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device == device
+
+
+def _packed(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of buf's bytes from `offset` with `like`'s dtype and shape."""
+    return buf[offset : offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+def upload(tensors: Mapping[str, torch.Tensor], device: torch.device) -> tuple[TensorDict, torch.Tensor]:
+    """`tensors` on `device` in ONE host-to-device transfer, and the host buffer it came from.
+
+    The tensors are packed into one host buffer (pinned for CUDA, so the copy is an
+    asynchronous DMA) and viewed per key on the device. The caller keeps the buffer
+    alive until the copy is done (`stage`).
+    """
+    offsets, total = [], 0
+    for t in tensors.values():
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
+    cuda = device.type == "cuda"
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    for t, offset in zip(tensors.values(), offsets, strict=True):
+        _packed(host, offset, t).copy_(t)
+    dev = host.to(device, non_blocking=cuda)
+    return {k: _packed(dev, offset, t) for (k, t), offset in zip(tensors.items(), offsets, strict=True)}, host
+
+
+def stage(dicts: Sequence[Mapping[str, torch.Tensor]], device: torch.device | str) -> list[TensorDict]:
+    """`dicts` on `device`, each distinct dict (by identity) uploaded once, in one transfer.
+
+    The rules read each reply and its base several times (Krum: Gram matrix, then mean;
+    the coordinate-wise rules: block by block), and a synchronous round passes the same
+    global model as every reply's base. Slice-by-slice copies from pageable memory
+    would make thousands of small synchronous transfers and re-upload the base once per
+    reply; staged, a round costs one upload per reply plus one per distinct base.
+    Dicts already on `device` (all of them on a CPU server) come back as the very same
+    objects: nothing is copied. Every tensor a rule moves to its device goes through here.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":  # tensors report "cpu", never "cpu:0"
+        device = torch.device("cpu")
+    elif device.type == "cuda" and device.index is None:  # tensors report their index
+        device = torch.device("cuda", torch.cuda.current_device())
+    staged: dict[int, Mapping[str, torch.Tensor]] = {}
+    in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # (copy done, its pinned source)
+    for d in dicts:
+        if id(d) in staged:
+            continue
+        if all(_resident(t, device) for t in d.values()):
+            staged[id(d)] = d
+            continue
+        staged[id(d)], host = upload(d, device)
+        if device.type == "cuda":  # a pinned source must outlive its asynchronous copy
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            in_flight.append((done, host))
+            if len(in_flight) > STAGE_IN_FLIGHT:
+                in_flight.popleft()[0].synchronize()
+    for done, _ in in_flight:
+        done.synchronize()
+    return [cast(TensorDict, staged[id(d)]) for d in dicts]
+
+
 SMALL_TENSOR = 32768  # values; torch's parallel grain size, below which per-call overhead dominates
 
 
 def weighted_mean(
     clients: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], device: torch.device
 ) -> TensorDict:
-    """Σ wᵢ xᵢ / Σ wᵢ per key, accumulated in place on `device`; dtypes are preserved.
+    """Σ wᵢ xᵢ / Σ wᵢ per key, accumulated in place on `device` (replies `stage`d there
+    first); dtypes are preserved.
 
     Half-precision tensors accumulate in float32 and integer tensors (e.g. BatchNorm's
     num_batches_tracked) in float64, rounded back. One fused `add_(x, alpha=w)` per
@@ -177,15 +249,16 @@ def weighted_mean(
     if not total > 0:
         raise ValueError(f"weights must sum to > 0, got {total}")
     alphas = [w / total for w in weights]
+    clients = stage(clients, device)
     first = clients[0]
     # Small tensors (biases, norms: most keys, little data) go through one foreach call per
     # client instead of one call per tensor and client: the per-call overhead dominates them.
     small = [k for k, t in first.items() if t.numel() < SMALL_TENSOR and _accumulator_dtype(t.dtype) == t.dtype]
     small_out: TensorDict = {}
     if small:
-        accs = torch._foreach_mul([first[k].to(device, non_blocking=True) for k in small], alphas[0])
+        accs = torch._foreach_mul([first[k] for k in small], alphas[0])
         for tensors, alpha in zip(clients[1:], alphas[1:], strict=True):
-            torch._foreach_add_(accs, [tensors[k].to(device, non_blocking=True) for k in small], alpha=alpha)
+            torch._foreach_add_(accs, [tensors[k] for k in small], alpha=alpha)
         small_out = dict(zip(small, accs, strict=True))
     out: TensorDict = {}
     for key, ref in first.items():
@@ -194,13 +267,13 @@ def weighted_mean(
             continue
         acc_dtype = _accumulator_dtype(ref.dtype)
         if acc_dtype == ref.dtype:  # the first client initialises the accumulator: no zero-fill pass
-            acc = torch.mul(ref.to(device, non_blocking=True), alphas[0])
+            acc = torch.mul(ref, alphas[0])
             rest = zip(clients[1:], alphas[1:], strict=True)
         else:  # widened (half, integer): every client is added in the accumulator's precision
             acc = torch.zeros(ref.shape, dtype=acc_dtype, device=device)
             rest = zip(clients, alphas, strict=True)
         for tensors, alpha in rest:
-            acc.add_(tensors[key].to(device, non_blocking=True), alpha=alpha)
+            acc.add_(tensors[key], alpha=alpha)
         if acc.dtype != ref.dtype:
             acc = (acc if ref.is_floating_point() else acc.round()).to(ref.dtype)
         out[key] = acc

@@ -83,14 +83,14 @@ def test_evaluation_replies_are_screened_for_counts():
 def test_weighted_metrics_tolerates_different_keys():
     replies = screen_replies(
         [
-            make_reply(1, None, {"num-examples": 10, "loss": 1.0, "gpu-util-mean-pct": 80.0}),
+            make_reply(1, None, {"num-examples": 10, "loss": 1.0, "gpu-device-util-mean-pct": 80.0}),
             make_reply(2, None, {"num-examples": 30, "loss": 3.0}),
         ],
         None,
     ).valid
     metrics = weighted_metrics(replies)
     assert metrics["loss"] == pytest.approx(2.5)
-    assert metrics["gpu-util-mean-pct"] == pytest.approx(80.0)  # only node 1 reports it
+    assert metrics["gpu-device-util-mean-pct"] == pytest.approx(80.0)  # only node 1 reports it
     assert metrics["num-examples"] == 40
 
 

@@ -24,6 +24,7 @@ PARTITIONS = ("iid", "dirichlet")
 MODELS = ("cnn", "resnet18")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_PRECISIONS = ("fp16", "bf16", "off")  # what train.amp resolves to on a device (app.task.training)
+CHANNELS_LAST_MODES = ("auto", "on", "off")
 AMP_MODES = ("auto", *AMP_PRECISIONS)
 
 
@@ -90,6 +91,9 @@ class TrainConfig:
     grad_clip: float = 0.0
     device: str = "auto"
     telemetry_interval_s: float = 0.2
+    channels_last: str = "auto"  # auto: on CUDA for models without GroupNorm
+    cudnn_benchmark: bool = False  # cuDNN autotuning; every batch shape is warmed up outside the timer
+    deterministic: bool = False  # bit-identical reruns on one GPU: deterministic kernels, no autotuning
 
 
 @dataclass(unsafe_hash=True)

@@ -11,6 +11,7 @@ from app.config.schema import (
     AMP_MODES,
     ATTACKS,
     BUFFER_AGGREGATORS,
+    CHANNELS_LAST_MODES,
     DATASETS,
     MODELS,
     OPTIMIZERS,
@@ -134,6 +135,13 @@ def validate(cfg: Config) -> Config:
     _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
     _require(bool(_DEVICE_RE.match(t.device)), "train.device", t.device, "allowed: auto, cpu, cuda, cuda:N")
     _require(t.telemetry_interval_s > 0, "train.telemetry_interval_s", t.telemetry_interval_s, "must be > 0")
+    _one_of("train.channels_last", t.channels_last, CHANNELS_LAST_MODES)
+    _require(
+        not (t.deterministic and t.cudnn_benchmark),
+        "train.cudnn_benchmark",
+        t.cudnn_benchmark,
+        "train.deterministic=true needs it off (autotuning picks kernels by timing, run to run)",
+    )
 
     f = cfg.federation
     _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")

@@ -254,6 +254,11 @@ class DpSgdSteps(Steps):
         )
         self.optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=q))
 
+    fixed_shapes = False  # Poisson batch sizes vary every step: cuDNN would autotune each new one
+
+    def batch_sizes(self, n: int) -> list[int]:
+        return []  # no warm-up: Poisson sizes are drawn during the loop
+
     def batches(self, n: int) -> Iterator[torch.Tensor]:
         sampler = UniformWithReplacementSampler(
             num_samples=n, sample_rate=self.q, generator=self.generator, steps=self.num_steps

@@ -8,6 +8,7 @@ Loaded with `weights_only=True`, so a checkpoint cannot execute code.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
 @dataclass
@@ -60,8 +63,22 @@ def restore_rng(rng: dict[str, Any]) -> None:
         }
     )
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    restore_cuda_rng(rng.get("cuda", []))
+
+
+def restore_cuda_rng(states: list[torch.Tensor]) -> None:
+    """Set the saved CUDA RNG states of the devices this process sees; never raise on a count mismatch."""
+    # Dropping states is safe: the server's strategies draw only from Python's `random` and CPU generators.
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, state in enumerate(states[:count]):
+        torch.cuda.set_rng_state(state, device=i)
+    if len(states) != count:
+        log.info(
+            "Resume: the checkpoint holds %d CUDA RNG state(s) and %d GPU(s) are visible; "
+            "GPUs without a saved state keep their own, extra states are dropped",
+            len(states),
+            count,
+        )
 
 
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:

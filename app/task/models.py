@@ -12,6 +12,15 @@ from app.config.schema import MODELS, ModelConfig
 from app.task.data import DataSpec
 
 
+class GlobalAvgPool(nn.Module):
+    """`AdaptiveAvgPool2d(1)` as a mean over H and W: the same values, and a backward that is
+    deterministic on CUDA (adaptive pooling's CUDA backward accumulates with atomics, which
+    `torch.use_deterministic_algorithms` refuses). No parameters, so state_dicts are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3), keepdim=True)
+
+
 class SmallCNN(nn.Module):
     """Three 3x3 conv blocks and global average pooling.
 
@@ -33,7 +42,7 @@ class SmallCNN(nn.Module):
         layers: list[nn.Module] = [*block(spec.channels, w), *block(w, 2 * w)]
         if min(spec.height, spec.width) >= 4:
             layers.append(nn.MaxPool2d(2))
-        layers += [*block(2 * w, 4 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, spec.num_classes)]
+        layers += [*block(2 * w, 4 * w), GlobalAvgPool(), nn.Flatten(), nn.Linear(4 * w, spec.num_classes)]
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +60,7 @@ def resnet18_small(spec: DataSpec) -> nn.Module:
     model = resnet18(num_classes=spec.num_classes)
     model.conv1 = nn.Conv2d(spec.channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
+    model.avgpool = GlobalAvgPool()
     return model
 
 

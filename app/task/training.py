@@ -4,24 +4,29 @@ One training loop (`fit`) for plain training and DP-SGD alike: what differs betw
 them is a `Steps` object (optimizer, batches, per-step details). Fast by construction,
 in the spirit of airbench: the partition is copied to the device once (from pinned
 memory, non-blocking), batches are index gathers on the device, loss and accuracy
-accumulate on the device, and the host synchronises once per call. CUDA adds channels_last, cuDNN autotuning and autocast (bf16, or fp16 with
-a GradScaler).
+accumulate on the device, and the host synchronises once per call. CUDA adds autocast
+(bf16, or fp16 with a GradScaler whose state a node keeps between rounds), channels_last
+where it pays (not for GroupNorm models: see `use_channels_last`), optional cuDNN
+autotuning with every batch shape warmed up outside the timer, a deterministic mode, and
+timing with CUDA events on a stream of the loop's own (threads may share one GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from app.config.registry import Registry
-from app.config.schema import AMP_MODES, AMP_PRECISIONS, OPTIMIZERS, ConfigError, TrainConfig
+from app.config.schema import AMP_MODES, AMP_PRECISIONS, CHANNELS_LAST_MODES, OPTIMIZERS, ConfigError, TrainConfig
 from app.task.data import ImageTensors
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -40,18 +45,15 @@ _OPTIMIZERS: Registry[Callable[[list[nn.Parameter], TrainConfig], torch.optim.Op
 
 @dataclass(frozen=True)
 class Precision:
-    """Where and in which precision to compute."""
+    """Where, in which precision and in which memory layout to compute."""
 
     device: torch.device
     amp: str  # "fp16" | "bf16" | "off" after resolving "auto"
+    channels_last: bool = False  # decided per model: `with_layout`
 
     @property
     def dtype(self) -> torch.dtype | None:
         return _AMP_DTYPES[self.amp]
-
-    @property
-    def channels_last(self) -> bool:
-        return self.device.type == "cuda"
 
 
 @dataclass
@@ -62,16 +64,39 @@ class TrainStats:
     steps: int
     samples_per_s: float
     wall_time_s: float
-    peak_gpu_mem_mb: float | None
+    peak_gpu_mem_mb: float | None  # None off CUDA, and when another loop shared the GPU meanwhile
+    skipped_steps: int = 0  # fp16: steps the GradScaler skipped for inf/NaN gradients (counted in `steps`)
+    scaler_state: dict[str, float | int] = field(default_factory=dict)  # fp16: GradScaler state to keep
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when present; asking for CUDA without one is an error."""
+    """`auto` picks CUDA when present; a CUDA device this process cannot see is an error.
+
+    Indices are relative to CUDA_VISIBLE_DEVICES: under Ray's and Docker's GPU reservations
+    every process sees its own GPU as cuda:0, so `cuda:1` would fail in every ClientApp
+    with "invalid device ordinal" mid-run.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but no CUDA device is visible; use auto or cpu")
-    return torch.device(name)
+    visible = torch.cuda.device_count()
+    if device.index is not None and device.index >= visible:
+        raise ConfigError(
+            f"device {name!r}: this process sees {visible} CUDA device(s) (cuda:0..cuda:{visible - 1}); "
+            f"indices are relative to CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}, "
+            "and Ray or Docker GPU reservations show each process its GPU as cuda:0: use cuda or auto"
+        )
+    return device
+
+
+def bf16_native(device: torch.device) -> bool:
+    """bf16 tensor cores exist from compute capability 8.0 (Ampere) on. `is_bf16_supported()`
+    also counts emulation (Turing: slow) and asks about the current device, not this one."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def resolve_precision(amp: str, device: torch.device) -> Precision:
@@ -80,7 +105,7 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
         raise ConfigError(f"train.amp={amp!r} is invalid: allowed: {', '.join(AMP_MODES)}")
     if device.type == "cuda":
         if amp == "auto":
-            amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            amp = "bf16" if bf16_native(device) else "fp16"
     elif amp == "auto":
         amp = "off"
     elif amp == "fp16":
@@ -89,10 +114,24 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
     return Precision(device=device, amp=amp)
 
 
+def use_channels_last(model: nn.Module, setting: str, device: torch.device) -> bool:
+    """`auto`: channels_last on CUDA unless the model has GroupNorm, whose CUDA kernels call
+    `.contiguous()` (and run in fp32 under autocast), converting layouts at every layer."""
+    if setting not in CHANNELS_LAST_MODES:
+        raise ConfigError(f"train.channels_last={setting!r} is invalid: allowed: {', '.join(CHANNELS_LAST_MODES)}")
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cuda" and not any(isinstance(m, nn.GroupNorm) for m in model.modules())
+
+
+def with_layout(precision: Precision, model: nn.Module, setting: str) -> Precision:
+    """`precision` with the memory layout `use_channels_last` picks for `model`."""
+    return replace(precision, channels_last=use_channels_last(model, setting, precision.device))
+
+
 def prepare_model(model: nn.Module, precision: Precision) -> nn.Module:
     model = model.to(precision.device)
     if precision.channels_last:
-        torch.backends.cudnn.benchmark = True
         model = model.to(memory_format=torch.channels_last)
     return model
 
@@ -127,12 +166,6 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, device: t
     return batches
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so host timers measure it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def autocast(precision: Precision) -> contextlib.AbstractContextManager:
     """Autocast to the AMP dtype; no context at all in fp32 (cheaper per step)."""
     if precision.dtype is None:
@@ -140,12 +173,115 @@ def autocast(precision: Precision) -> contextlib.AbstractContextManager:
     return torch.autocast(precision.device.type, dtype=precision.dtype)
 
 
-def start_clock(device: torch.device) -> float:
-    """Reset the peak-memory counter, drain queued GPU work and start timing a training loop."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    synchronize(device)
-    return time.perf_counter()
+class _Tenants:
+    """Which loops on this process's GPU overlapped in time. The peak-memory counter is
+    process-wide: a loop reports it only when it had the process to itself throughout (the
+    in-process grid trains several nodes in threads; the server may evaluate meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._entries = 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[list[bool]]:
+        """Yields [alone at entry]; on exit the flag says whether it stayed alone throughout."""
+        with self._lock:
+            alone = [self._active == 0]
+            self._active += 1
+            self._entries += 1
+            entries = self._entries
+        try:
+            yield alone
+        finally:
+            with self._lock:
+                self._active -= 1
+                alone[0] = alone[0] and self._entries == entries
+
+
+GPU_TENANTS = _Tenants()
+
+
+class LoopClock:
+    """Wall time of a training loop and, on CUDA, the loop's own peak memory.
+
+    On CUDA the loop runs on a stream of its own and is timed with events on that stream:
+    `torch.cuda.synchronize` would also wait for other threads' work on the same GPU.
+    Use as a context around the whole loop; `start()` after the untimed set-up.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.peak_mb: float | None = None
+        self._stack = contextlib.ExitStack()
+        self._alone = [False]
+        self._t0 = 0.0
+
+    def __enter__(self) -> LoopClock:
+        self._alone = self._stack.enter_context(GPU_TENANTS.hold()) if self.cuda else [False]
+        if self.cuda:
+            self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the model was moved there
+            self._stack.enter_context(torch.cuda.stream(self._stream))
+            if self._alone[0]:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(self._stream)
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since `start()`, once the loop's queued work has finished."""
+        if not self.cuda:
+            return time.perf_counter() - self._t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self._stream)
+        end.synchronize()
+        return self._start.elapsed_time(end) / 1000.0
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self._stream.synchronize()  # the caller reads the model on its own stream next
+        self._stack.close()
+        if self.cuda and self._alone[0]:
+            self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
+@contextlib.contextmanager
+def kernel_settings(cfg: TrainConfig, fixed_shapes: bool) -> Iterator[None]:
+    """cuDNN autotuning only where batch shapes repeat, deterministic kernels on request.
+
+    These are process-wide flags, restored afterwards; nodes trained concurrently in one
+    process (the in-process grid) share them, which is fine as they share one config.
+    """
+    cudnn = torch.backends.cudnn
+    before = (cudnn.benchmark, cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic workspace
+    cudnn.benchmark = cfg.cudnn_benchmark and fixed_shapes and not cfg.deterministic
+    cudnn.deterministic = cfg.deterministic
+    torch.use_deterministic_algorithms(cfg.deterministic)
+    try:
+        yield
+    finally:
+        cudnn.benchmark, cudnn.deterministic = before[0], before[1]
+        torch.use_deterministic_algorithms(before[2])
+
+
+def make_scaler(precision: Precision, state: dict[str, float | int] | None) -> torch.amp.GradScaler | None:
+    """fp16's GradScaler, continuing from this node's last round (`TrainStats.scaler_state`):
+    a fresh scaler starts at 2**16 and skips the first steps of every round for overflow."""
+    if precision.amp != "fp16":
+        return None
+    scaler = torch.amp.GradScaler(precision.device.type)
+    if state:
+        scaler.load_state_dict(dict(state))
+    return scaler
 
 
 class Steps:
@@ -157,6 +293,8 @@ class Steps:
     noise-only steps), so that the loop itself is written once.
     """
 
+    fixed_shapes = True  # batches have at most two sizes (full, last): worth autotuning
+
     def __init__(self, model: nn.Module, cfg: TrainConfig, precision: Precision, generator: torch.Generator) -> None:
         self.model, self.cfg, self.precision, self.generator = model, cfg, precision, generator
         self.net: nn.Module = model  # what the loop calls (DP-SGD: a per-example-gradient wrapper)
@@ -166,6 +304,11 @@ class Steps:
         """Index tensors on the device, one per step, drawn with `generator`."""
         for _ in range(self.cfg.epochs):
             yield from batch_indices(n, self.cfg.batch_size, self.generator, self.precision.device)
+
+    def batch_sizes(self, n: int) -> list[int]:
+        """Every size `batches` yields (as `batch_indices` cuts them), for the warm-up."""
+        full, tail = min(self.cfg.batch_size, n), n % self.cfg.batch_size if n > self.cfg.batch_size else 0
+        return [full] + ([tail] if tail >= 2 else [])
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         return model_inputs(x, self.precision)
@@ -184,56 +327,93 @@ class Steps:
         """After the loop, also when it fails."""
 
 
-def fit(steps: Steps, data: ImageTensors) -> TrainStats:
+def warm_up(steps: Steps, data: ImageTensors) -> None:
+    """One forward and backward per batch size the loop will see, before the clock starts
+    (`fit` does it on CUDA): lazy kernel loading, cuBLAS set-up and cuDNN autotuning would
+    otherwise be timed (in a deployed node's fresh process, every round). Leaves the model's
+    buffers (BatchNorm statistics), the RNG streams and the gradients as they were."""
+    precision = steps.precision
+    saved = [b.detach().clone() for b in steps.model.buffers()]
+    with torch.random.fork_rng(devices=[precision.device] if precision.device.type == "cuda" else []):
+        for size in steps.batch_sizes(len(data)):
+            with autocast(precision):
+                loss = F.cross_entropy(steps.net(steps.inputs(data.x[:size])), data.y[:size])
+            loss.backward()
+    steps.optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, value in zip(steps.model.buffers(), saved, strict=True):
+            buffer.copy_(value)
+
+
+def fit(steps: Steps, data: ImageTensors, scaler_state: dict[str, float | int] | None = None) -> TrainStats:
     """The training loop, for plain training and DP-SGD alike; `steps.model` is updated in place.
 
     Loss and accuracy are tallied once after the loop from the kept per-step losses
     and logits (N x classes values): per-step tallies cost ~3% of a small model's step.
-    Every step counts, an empty batch's too (DP-SGD's noise-only step).
+    Every step counts, an empty batch's too (DP-SGD's noise-only step), and so do steps
+    the fp16 GradScaler skipped (reported apart, `skipped_steps`). `scaler_state`: the
+    node's GradScaler state from its previous round.
     """
     precision, optimizer = steps.precision, steps.optimizer
     device = precision.device
     steps.net.train()
-    scaler = torch.amp.GradScaler(device.type) if precision.amp == "fp16" else None
-    on_device = to_device(data, device)
+    scaler = make_scaler(precision, scaler_state)
+    skipped = torch.zeros((), dtype=torch.int64, device=device)
     losses: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
     taken = 0
-    start = start_clock(device)
     try:
-        for idx in steps.batches(len(data)):
-            taken += 1
-            optimizer.zero_grad(set_to_none=True)
-            if len(idx) == 0:
-                steps.empty_step()
-                continue
-            xb, yb = steps.inputs(on_device.x[idx]), on_device.y[idx]
-            with autocast(precision):
-                logits = steps.net(xb)
-                loss = F.cross_entropy(logits, yb)
-            if scaler is None:
-                loss.backward()
-                steps.before_step(None)
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                steps.before_step(scaler)
-                scaler.step(optimizer)
-                scaler.update()
-            losses.append(loss.detach())
-            outputs.append(logits.detach())
-            labels.append(yb)
-        synchronize(device)
-        wall = time.perf_counter() - start
+        with kernel_settings(steps.cfg, steps.fixed_shapes), LoopClock(device) as clock:
+            on_device = to_device(data, device)
+            if device.type == "cuda":
+                warm_up(steps, on_device)
+            clock.start()
+            for idx in steps.batches(len(data)):
+                taken += 1
+                optimizer.zero_grad(set_to_none=True)
+                if len(idx) == 0:
+                    steps.empty_step()
+                    continue
+                xb, yb = steps.inputs(on_device.x[idx]), on_device.y[idx]
+                with autocast(precision):
+                    logits = steps.net(xb)
+                    loss = F.cross_entropy(logits, yb)
+                if scaler is None:
+                    loss.backward()
+                    steps.before_step(None)
+                    optimizer.step()
+                else:
+                    scaler.scale(loss).backward()
+                    steps.before_step(scaler)
+                    # GradScaler tells a skipped step only by lowering its scale; reading it
+                    # with get_scale() would synchronise every step, so compare on the device.
+                    scale = scaler._scale.clone()  # noqa: SLF001 - set by scale() above
+                    scaler.step(optimizer)
+                    scaler.update()
+                    skipped += scaler._scale < scale  # noqa: SLF001
+                losses.append(loss.detach())
+                outputs.append(logits.detach())
+                labels.append(yb)
+            wall = clock.stop()
     finally:
         steps.close()
-    return train_stats(losses, outputs, labels, len(data), wall, device, taken)
+    stats = train_stats(losses, outputs, labels, len(data), wall, clock.peak_mb, taken)
+    if scaler is not None:
+        stats.skipped_steps, stats.scaler_state = int(skipped), scaler.state_dict()
+    return stats
 
 
-def train(model: nn.Module, data: ImageTensors, cfg: TrainConfig, precision: Precision, seed: int) -> TrainStats:
+def train(
+    model: nn.Module,
+    data: ImageTensors,
+    cfg: TrainConfig,
+    precision: Precision,
+    seed: int,
+    scaler_state: dict[str, float | int] | None = None,
+) -> TrainStats:
     """`cfg.epochs` epochs of mini-batch training; the model is updated in place."""
-    return fit(Steps(model, cfg, precision, torch.Generator().manual_seed(seed)), data)
+    return fit(Steps(model, cfg, precision, torch.Generator().manual_seed(seed)), data, scaler_state)
 
 
 def train_stats(
@@ -242,7 +422,7 @@ def train_stats(
     labels: list[torch.Tensor],
     num_examples: int,
     wall: float,
-    device: torch.device,
+    peak_mb: float | None,
     steps: int,
 ) -> TrainStats:
     """Tally the kept per-step mean losses, logits and labels once, after the loop."""
@@ -253,7 +433,6 @@ def train_stats(
         accuracy = float((torch.cat(outputs).argmax(1) == torch.cat(labels)).sum()) / seen
     else:
         loss_mean, accuracy = float("nan"), float("nan")
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return TrainStats(
         loss=loss_mean,
         accuracy=accuracy,
@@ -261,7 +440,7 @@ def train_stats(
         steps=steps,
         samples_per_s=seen / wall if wall > 0 else 0.0,
         wall_time_s=wall,
-        peak_gpu_mem_mb=peak,
+        peak_gpu_mem_mb=peak_mb,
     )
 
 
@@ -272,14 +451,15 @@ def evaluate(model: nn.Module, data: ImageTensors, precision: Precision, batch_s
         return float("nan"), float("nan")
     device = precision.device
     model.eval()
-    on_device = to_device(data, device)
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    for start in range(0, len(data), batch_size):
-        xb = model_inputs(on_device.x[start : start + batch_size], precision)
-        yb = on_device.y[start : start + batch_size]
-        with autocast(precision):
-            logits = model(xb)
-        loss_sum += F.cross_entropy(logits.float(), yb, reduction="sum")
-        correct += (logits.argmax(1) == yb).sum()
-    return float(loss_sum) / len(data), float(correct) / len(data)
+    with GPU_TENANTS.hold() if device.type == "cuda" else contextlib.nullcontext():  # see LoopClock
+        on_device = to_device(data, device)
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        for start in range(0, len(data), batch_size):
+            xb = model_inputs(on_device.x[start : start + batch_size], precision)
+            yb = on_device.y[start : start + batch_size]
+            with autocast(precision):
+                logits = model(xb)
+            loss_sum += F.cross_entropy(logits.float(), yb, reduction="sum")
+            correct += (logits.argmax(1) == yb).sum()
+        return float(loss_sum) / len(data), float(correct) / len(data)
