@@ -51,6 +51,8 @@ def test_overrides_string_is_applied():
         ("train.optimizer=lbfgs", ["train.optimizer='lbfgs'", "sgd"]),
         ("train.device=tpu", ["train.device='tpu'", "cuda:N"]),
         ("train.grad_clip=-1", ["train.grad_clip=-1", ">= 0"]),
+        ("train.channels_last=maybe", ["train.channels_last='maybe'", "auto, on, off"]),
+        ("train.deterministic=true train.cudnn_benchmark=true", ["train.cudnn_benchmark=True", "deterministic"]),
         ("federation.fraction_train=0", ["federation.fraction_train=0", "(0, 1]"]),
         ("federation.fraction_train=1.5", ["federation.fraction_train=1.5", "(0, 1]"]),
         (
