@@ -64,6 +64,7 @@ from app.task.data import DataSpec, ImageTensors, data_spec, load_splits, materi
 from app.task.models import build_model  # noqa: E402
 from app.task.telemetry import GpuTelemetry  # noqa: E402
 from app.task.training import (  # noqa: E402
+    bf16_native,
     prepare_model,
     resolve_device,
     resolve_precision,
@@ -303,7 +304,7 @@ def compare(w: Workload, device: torch.device, args: argparse.Namespace, reps: i
 def gpu_amp(device: torch.device, args: argparse.Namespace) -> list[dict[str, object]]:
     """ResNet-18 at batch 256 through our loop with train.amp = off / fp16 / bf16."""
     w = resnet_workload(args, args.gpu_resnet_samples, args.gpu_resnet_epochs)
-    modes = ["off", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+    modes = ["off", "fp16"] + (["bf16"] if bf16_native(device) else [])
     results = interleave(
         {m: (lambda m=m: run_ours(w, device, m, args.seed)) for m in modes}, reps=args.gpu_reps, warmup=args.warmup
     )

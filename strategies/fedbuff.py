@@ -90,13 +90,14 @@ def server_step(
     Integer tensors (BatchNorm counters) take the plain mean update, rounded: a
     learning rate or momentum on a counter means nothing.
     """
+    floating = {k: current[k].is_floating_point() for k in update}  # updates are all float (update_dtype)
     if momentum > 0:
         velocity = {
-            k: (momentum * velocity[k] + d if velocity is not None else d.clone()) if d.is_floating_point() else d
+            k: (momentum * velocity[k] + d if velocity is not None else d.clone()) if floating[k] else d
             for k, d in update.items()
         }
         update = velocity
-    step = {k: d * lr if d.is_floating_point() and lr != 1.0 else d for k, d in update.items()}
+    step = {k: d * lr if floating[k] and lr != 1.0 else d for k, d in update.items()}
     return apply_update(current, step), velocity
 
 

@@ -30,10 +30,11 @@ act_as_server()
 
 HERE = Path(__file__).resolve().parent
 
-# Whole modules: every test in them starts real Flower processes.
+# Whole modules: every test in them starts real Flower processes or subprocesses.
 SLOW_MODULES: dict[str, str] = {
     "test_flwr_cli": "`flwr run` through the local simulation SuperLink",
     "test_superlink_loopback": "a SuperLink, SuperNodes and the flwr CLI on loopback (deployment path)",
+    "test_gpu_smoke": "scripts/gpu_smoke.py --quick --device cpu in a subprocess (~30 s)",
 }
 
 # Modules that mix fast and slow tests: the slow ones, by test function name (every

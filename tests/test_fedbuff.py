@@ -127,6 +127,17 @@ def test_server_momentum_equals_the_closed_form():
     torch.testing.assert_close(g2["w"], 0.5 * d1["w"] + 0.5 * (0.9 * d1["w"] + d2["w"]))
 
 
+def test_integer_counters_take_the_plain_update_without_lr_or_momentum():
+    """BatchNorm's num_batches_tracked: updates arrive as float (update_dtype), but a
+    learning rate or momentum on a counter means nothing; it advances by the mean update."""
+    g = {"n": torch.tensor(10, dtype=torch.int64), "w": torch.zeros(2)}
+    d = {"n": torch.tensor(4.0, dtype=torch.float64), "w": torch.ones(2)}
+    g1, v = server_step(g, d, lr=0.5, momentum=0.9, velocity=None)
+    g2, v = server_step(g1, d, lr=0.5, momentum=0.9, velocity=v)
+    assert g1["n"].dtype == torch.int64 and int(g1["n"]) == 14 and int(g2["n"]) == 18
+    torch.testing.assert_close(g2["w"], torch.full((2,), 0.5 + 0.5 * 1.9))
+
+
 def test_fresh_equal_weight_buffer_equals_flowers_fedavg(rng):
     """K fresh updates, constant staleness, η = 1: one FedBuff step is one FedAvg round."""
     start = _model(rng)
