@@ -22,8 +22,9 @@ from app.protocol import (
     ARRAYS,
     CONFIG,
     DATA_PATH,
-    EVAL_ACCURACY,
     EVAL_LOSS,
+    EVAL_PREFIX,
+    FROZEN,
     METRICS,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
@@ -37,7 +38,7 @@ from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, p
 from app.simulation.stragglers import slow_down
 from app.task.data import (
     DataSpec,
-    ImageTensors,
+    Examples,
     check_spec,
     load_local_data,
     load_splits,
@@ -46,7 +47,8 @@ from app.task.data import (
     spec_from_record,
     split_validation,
 )
-from app.task.models import build_model
+from app.task.metrics import Task
+from app.task.models import build_model, freeze
 from app.task.telemetry import GpuTelemetry, log_hidden_gpus_once
 from app.task.training import (
     Precision,
@@ -65,9 +67,7 @@ SCALER_STATE = "amp-grad-scaler"  # ConfigRecord in context.state: the fp16 Grad
 
 
 @lru_cache(maxsize=8)
-def _node_data(
-    settings: ClientSettings, node_key: tuple[str, int, int], spec: DataSpec
-) -> tuple[ImageTensors, ImageTensors]:
+def _node_data(settings: ClientSettings, node_key: tuple[str, int, int], spec: DataSpec) -> tuple[Examples, Examples]:
     data_path, partition_id, num_partitions = node_key
     if data_path:
         data = materialize(load_local_data(settings.dataset, data_path, settings.seed))
@@ -81,7 +81,7 @@ def _node_data(
     return split_validation(data, settings.dataset.val_fraction, settings.seed + partition_id)
 
 
-def node_data(context: Context, settings: ClientSettings, spec: DataSpec) -> tuple[ImageTensors, ImageTensors]:
+def node_data(context: Context, settings: ClientSettings, spec: DataSpec) -> tuple[Examples, Examples]:
     """(train, validation) data of this node, cached for the life of the process."""
     cfg = context.node_config
     data_path = str(cfg.get(DATA_PATH, "") or "")
@@ -109,9 +109,11 @@ class Job:
     settings: ClientSettings
     spec: DataSpec
     precision: Precision
-    train_data: ImageTensors
-    val_data: ImageTensors
+    train_data: Examples
+    val_data: Examples
     model: torch.nn.Module
+    task: Task  # the loss and the metrics
+    sent_keys: list[str]  # the tensors the server aggregates (model.trainable): the only ones a reply carries
 
 
 def prepare_job(msg: Message, context: Context) -> Job:
@@ -126,9 +128,15 @@ def prepare_job(msg: Message, context: Context) -> Job:
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
-    model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
-    precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last)
-    return Job(record, settings, spec, precision, train_data, val_data, prepare_model(model, precision))
+    arrays = msg.content[ARRAYS].to_torch_state_dict()
+    frozen = msg.content[FROZEN].to_torch_state_dict() if FROZEN in msg.content else {}
+    model.load_state_dict({**frozen, **arrays})  # strict: together they are the whole model
+    freeze(model, settings.model.trainable)
+    images = len(spec.input_shape) == 3
+    precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
+    task = Task.from_config(settings.task, spec)
+    model = prepare_model(model, precision)
+    return Job(record, settings, spec, precision, train_data, val_data, model, task, list(arrays))
 
 
 def partition_of(context: Context) -> int | None:
@@ -159,7 +167,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     malicious = is_malicious(attack, settings.seed, partition, int(context.node_config.get(NUM_PARTITIONS, 1)))
     train_data = job.train_data
     if malicious and attack.name == "label_flip":
-        train_data = ImageTensors(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
+        train_data = Examples(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if settings.privacy.name == "local":
@@ -175,10 +183,12 @@ def train_handler(msg: Message, context: Context) -> Message:
                 context.state,
                 job.record,
                 keys=(history_key(partition, context.node_id), history_key(None, context.node_id)),
+                task=job.task,
             )
         else:
             scaler_state = load_scaler_state(context.state)
-            stats, dp_metrics = train(job.model, train_data, settings.train, job.precision, seed, scaler_state), {}
+            stats = train(job.model, train_data, settings.train, job.precision, seed, scaler_state, job.task)
+            dp_metrics = {}
             save_scaler_state(context.state, stats.scaler_state)
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int | list[float] | list[int]] = {
@@ -198,7 +208,8 @@ def train_handler(msg: Message, context: Context) -> Message:
         metrics["amp-skipped-steps"] = stats.skipped_steps
     if partition is not None:
         metrics[PARTITION_ID] = partition
-    state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}
+    trained = job.model.state_dict()
+    state = {k: trained[k].detach().cpu().contiguous() for k in job.sent_keys}  # frozen tensors stay here
     if malicious and attack.name in MODEL_POISONING:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
     content = RecordDict({ARRAYS: ArrayRecord(state), METRICS: MetricRecord(metrics)})
@@ -208,8 +219,8 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
-    loss, accuracy = evaluate(job.model, job.val_data, job.precision)
-    metrics = {NUM_EXAMPLES: len(job.val_data), EVAL_LOSS: loss, EVAL_ACCURACY: accuracy}
+    loss, values = evaluate(job.model, job.val_data, job.precision, job.task)
+    metrics = {NUM_EXAMPLES: len(job.val_data), EVAL_LOSS: loss, **{EVAL_PREFIX + k: v for k, v in values.items()}}
     if (partition := partition_of(context)) is not None:
         metrics[PARTITION_ID] = partition  # the server caps num-examples at its partition's validation size
     return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

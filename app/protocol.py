@@ -7,7 +7,8 @@ travel as flat keys in each message's ConfigRecord (`to_client_record` on the se
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from app.config.schema import (
@@ -17,11 +18,13 @@ from app.config.schema import (
     ModelConfig,
     PartitionConfig,
     PrivacyConfig,
+    TaskConfig,
     TrainConfig,
 )
 from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports every wire key from here
     ARRAYS,
     CONFIG,
+    FROZEN,
     METRICS,
     NUM_EXAMPLES,
     PARTITION_ID,
@@ -36,13 +39,15 @@ NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
 # reply metrics
 TRAIN_METRICS = ("train-loss", "train-accuracy", "samples-per-s")  # left out under local DP unless report_exact
-EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
+EVAL_LOSS = "eval-loss"
+EVAL_PREFIX = "eval-"  # federated evaluation: eval-<metric name> for each of task.metrics
 
 
 CLIENT_SECTIONS = {
     "dataset": DatasetConfig,
     "partition": PartitionConfig,
     "model": ModelConfig,
+    "task": TaskConfig,
     "train": TrainConfig,
     "attack": AttackConfig,
     "privacy": PrivacyConfig,
@@ -56,6 +61,7 @@ class ClientSettings:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -65,18 +71,37 @@ class ClientSettings:
     def from_record(cls, record: dict[str, Any]) -> ClientSettings:
         sections = {}
         for section, kind in CLIENT_SECTIONS.items():
-            values = {f.name: record[f"{section}.{f.name}"] for f in fields(kind) if f"{section}.{f.name}" in record}
+            values = {
+                f.name: _decode(f, record[f"{section}.{f.name}"])
+                for f in fields(kind)
+                if f"{section}.{f.name}" in record
+            }
             sections[section] = kind(**values)
         return cls(**sections, seed=int(record.get("seed", 42)))
 
 
+def _structured(value: Any) -> bool:  # noqa: ANN401
+    return isinstance(value, dict | list)
+
+
+def _decode(f: Any, value: Any) -> Any:  # noqa: ANN401
+    """A field's value from the record: JSON text for dicts, lists and nested sections."""
+    default = f.default_factory() if f.default_factory is not MISSING else f.default
+    if not (_structured(default) or is_dataclass(default)) or not isinstance(value, str):
+        return value
+    decoded = json.loads(value)
+    return type(default)(**decoded) if is_dataclass(default) else decoded
+
+
 def to_client_record(cfg: Config | ClientSettings) -> dict[str, Any]:
-    """Flatten the client-side sections into ConfigRecord-compatible scalars."""
+    """Flatten the client-side sections into ConfigRecord-compatible values: scalars as they
+    are, dicts, lists and nested sections (keyword arguments, metric lists, `task.loss`) as
+    JSON text, since a ConfigRecord holds no nested or mixed values."""
     flat: dict[str, Any] = {"seed": cfg.seed}
     for section in CLIENT_SECTIONS:
         for key, value in asdict(getattr(cfg, section)).items():
             if value is not None:
-                flat[f"{section}.{key}"] = value
+                flat[f"{section}.{key}"] = json.dumps(value, sort_keys=True) if _structured(value) else value
     return flat
 
 

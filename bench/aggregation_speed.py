@@ -162,7 +162,7 @@ LOAD_CODE = (
 
 
 def model_layout() -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    state = build_model(ModelConfig(name="resnet18", width=64), DataSpec(3, 32, 32, 10)).state_dict()
+    state = build_model(ModelConfig(name="resnet18", width=64), DataSpec((3, 32, 32), 10)).state_dict()
     return {k: (tuple(t.shape), t.numpy().dtype) for k, t in state.items()}
 
 

@@ -60,7 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from app.config.schema import DatasetConfig, ModelConfig, TrainConfig  # noqa: E402
-from app.task.data import DataSpec, ImageTensors, data_spec, load_splits, materialize  # noqa: E402
+from app.task.data import DataSpec, Examples, data_spec, load_splits, materialize  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.task.telemetry import GpuTelemetry  # noqa: E402
 from app.task.training import (  # noqa: E402
@@ -114,7 +114,7 @@ class Workload:
     name: str
     model_cfg: ModelConfig
     spec: DataSpec
-    data: ImageTensors  # uint8 N x C x H x W on the host, as the ClientApp holds it
+    data: Examples  # uint8 N x C x H x W on the host, as the ClientApp holds it
     cfg: TrainConfig
     init_state: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
 
@@ -129,7 +129,7 @@ class Workload:
 
 
 def make_workload(
-    name: str, model_cfg: ModelConfig, spec: DataSpec, data: ImageTensors, cfg: TrainConfig, seed: int
+    name: str, model_cfg: ModelConfig, spec: DataSpec, data: Examples, cfg: TrainConfig, seed: int
 ) -> Workload:
     torch.manual_seed(seed)
     init = {k: v.detach().clone() for k, v in build_model(model_cfg, spec).state_dict().items()}
@@ -150,10 +150,10 @@ def resnet_workload(args: argparse.Namespace, n: int, epochs: int) -> Workload:
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 10, (n,), dtype=torch.int64, generator=g)
-    spec = DataSpec(channels=3, height=32, width=32, num_classes=10)
+    spec = DataSpec((3, 32, 32), 10)
     cfg = TrainConfig(epochs=epochs, batch_size=args.resnet_batch_size, lr=args.lr, momentum=args.momentum, amp="off")
     return make_workload(
-        "resnet18 / random 32x32", ModelConfig(name="resnet18", width=64), spec, ImageTensors(x, y), cfg, args.seed
+        "resnet18 / random 32x32", ModelConfig(name="resnet18", width=64), spec, Examples(x, y), cfg, args.seed
     )
 
 

@@ -78,7 +78,7 @@ from app.config.schema import ConfigError, DatasetConfig, ModelConfig, PrivacyCo
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint  # noqa: E402
 from app.simulation.local_grid import act_as_server  # noqa: E402
 from app.simulation.replies import make_reply  # noqa: E402
-from app.task.data import DataSpec, ImageTensors, data_spec, load_splits, materialize  # noqa: E402
+from app.task.data import DataSpec, Examples, data_spec, load_splits, materialize  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.task.telemetry import GpuTelemetry, nvml_uuid  # noqa: E402
 from app.task.training import (  # noqa: E402
@@ -99,7 +99,7 @@ from strategies.replies import specs_of  # noqa: E402
 from strategies.staleness import staleness_fn  # noqa: E402
 from strategies.tensor_ops import TensorDict, record_to_tensors  # noqa: E402
 
-RESNET_SPEC = DataSpec(channels=3, height=32, width=32, num_classes=10)
+RESNET_SPEC = DataSpec((3, 32, 32), 10)
 CPU = torch.device("cpu")
 
 
@@ -195,14 +195,14 @@ class Ctx:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     @cached_property
-    def digits_all(self) -> tuple[ImageTensors, DataSpec]:
+    def digits_all(self) -> tuple[Examples, DataSpec]:
         """The default dataset's (scikit-learn digits, offline) training split, as the ClientApp holds it."""
         train_src, test_src = load_splits(DatasetConfig(), seed=0)
         return materialize(train_src), data_spec(train_src, test_src)
 
-    def digits(self, n: int | None) -> tuple[ImageTensors, DataSpec]:
+    def digits(self, n: int | None) -> tuple[Examples, DataSpec]:
         data, spec = self.digits_all
-        return (data if n is None else ImageTensors(data.x[:n], data.y[:n])), spec
+        return (data if n is None else Examples(data.x[:n], data.y[:n])), spec
 
 
 def needs_gpu(ctx: Ctx, what: str = "") -> None:
@@ -215,10 +215,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_images(n: int, seed: int = 0) -> ImageTensors:
+def random_images(n: int, seed: int = 0) -> Examples:
     """n random uint8 3x32x32 images with labels 0-9 (ResNet-18's workload)."""
     g = torch.Generator().manual_seed(seed)
-    return ImageTensors(
+    return Examples(
         torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g),
         torch.randint(0, 10, (n,), dtype=torch.int64, generator=g),
     )
@@ -480,7 +480,7 @@ def check_timer_excludes_autotuning(ctx: Ctx, fig: dict[str, Any]) -> None:
 
 
 def _train_rate(
-    name: str, spec: DataSpec, data: ImageTensors, cfg: TrainConfig, device: torch.device, channels_last: str
+    name: str, spec: DataSpec, data: Examples, cfg: TrainConfig, device: torch.device, channels_last: str
 ) -> float:
     """samples/s of one app train() call on a fresh seeded model in the given layout (amp auto)."""
     model, precision = app_model(name, spec, "auto", device, channels_last=channels_last)
@@ -685,9 +685,7 @@ def check_rng_resume_fewer_gpus(ctx: Ctx, fig: dict[str, Any]) -> None:
     expect(restored, "the visible GPU's RNG state was not restored")
 
 
-def _clip_steps(
-    ctx: Ctx, name: str, spec: DataSpec, data: ImageTensors, amp: str, clip: float, count: int
-) -> list[float]:
+def _clip_steps(ctx: Ctx, name: str, spec: DataSpec, data: Examples, amp: str, clip: float, count: int) -> list[float]:
     """Norm of one DP-SGD step on each of `count` single examples (q=1, no noise, lr=1, no momentum):
     the clipped per-example gradient itself (tests/test_local_dp.py's method)."""
     from app.privacy.dp_sgd import make_private_compatible, train_private
@@ -701,7 +699,7 @@ def _clip_steps(
         before = torch.cat([p.detach().flatten().float().clone() for p in model.parameters()])
         train_private(
             model,
-            ImageTensors(data.x[i : i + 1], data.y[i : i + 1]),
+            Examples(data.x[i : i + 1], data.y[i : i + 1]),
             TrainConfig(epochs=1, batch_size=1, lr=1.0, momentum=0.0),
             PrivacyConfig(noise_multiplier=0.0, clip_norm=clip),
             precision,

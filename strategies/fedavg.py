@@ -36,7 +36,7 @@ from strategies.replies import (
     weighted_metrics,
 )
 from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, stage, tensors_to_record, weighted_mean
-from strategies.wire import ARRAYS, CONFIG, NUM_EXAMPLES, SERVER_ROUND
+from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -61,6 +61,11 @@ class RoundReport:
             "scores": {str(k): v for k, v in self.scores.items()},
             "policy": self.policy,
         }
+
+
+def task_content(arrays: ArrayRecord, config: ConfigRecord, frozen: ArrayRecord | None) -> RecordDict:
+    """A task's content: the model, its config and, when some parameters are frozen, those."""
+    return RecordDict({ARRAYS: arrays, CONFIG: config, **({FROZEN: frozen} if frozen else {})})
 
 
 def _destinations(messages: list[Message]) -> dict[str, int]:
@@ -162,6 +167,10 @@ class FedAvg(Strategy):
         )
 
     # --- sending ---------------------------------------------------------------
+    # The parameters the run keeps frozen (model.trainable): every task carries them besides the
+    # model, and neither they nor their replies' copies are aggregated (clients send only the rest).
+    frozen: ArrayRecord | None = None
+
     # Per-node training config (node id -> keys merged into that node's copy of the ConfigRecord):
     # set by app.run.federation for local DP, whose accountant history each node gets only its own of.
     node_config: Callable[[int], dict[str, Any]] | None = None
@@ -180,11 +189,11 @@ class FedAvg(Strategy):
             return []
         node_ids = self.select_nodes(grid, fraction, minimum, kind)
         config[SERVER_ROUND] = server_round
-        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        content = task_content(arrays, config, self.frozen)
 
         def content_for(node: int) -> RecordDict:
             extra = self.node_config(node) if self.node_config is not None and kind == MessageType.TRAIN else {}
-            return RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({**config, **extra})}) if extra else content
+            return task_content(arrays, ConfigRecord({**config, **extra}), self.frozen) if extra else content
 
         return [
             Message(

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from strategies.fedavg import RoundReport
+from strategies.fedavg import RoundReport, task_content
 from strategies.replies import (
     ArraySpec,
     InvalidReply,
@@ -44,6 +44,7 @@ from strategies.replies import (
     Screened,
     ValidReply,
     WeightCap,
+    payload_bytes,
     screen_reply,
     specs_of,
     weighted_metrics,
@@ -52,7 +53,7 @@ from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
-from strategies.wire import ARRAYS, CONFIG, NUM_EXAMPLES, SERVER_ROUND, TASK
+from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -77,6 +78,7 @@ class VersionReport:
     failed: list[Rejection] = field(default_factory=list)  # error replies and timeouts since the previous version
     robust: dict[str, Any] | None = None  # the robust buffer rule's picks
     metrics: MetricRecord | None = None  # clients' training metrics, weighted
+    bytes_up: list[int] = field(default_factory=list)  # each reply's array bytes since the previous version
     # Every successful reply's metrics since the previous version, whatever became of its update
     # (discarded stale, rejected, excluded by a robust rule): a local-DP client's ε is spent either way.
     client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)
@@ -187,6 +189,7 @@ class FedBuff(Strategy):
         self._specs: dict[str, ArraySpec] = {}
         self._arrays = ArrayRecord()
         self._models: dict[int, TensorDict] = {}  # version -> global model, while some task or update needs it
+        self.frozen: ArrayRecord | None = None  # as FedAvg.frozen: sent with every task, never aggregated
 
     # How the server's run drives this strategy (app/run/federation.py): `run`, one callback per version.
     asynchronous = True
@@ -272,7 +275,7 @@ class FedBuff(Strategy):
             self.tasks_sent += 1
             extra = self.node_config(node) if self.node_config is not None else {}  # as FedAvg.node_config
             cfg = ConfigRecord({**config, SERVER_ROUND: server_round, TASK: self.tasks_sent, **extra})
-            content = RecordDict({ARRAYS: arrays, CONFIG: cfg})
+            content = task_content(arrays, cfg, self.frozen)
             messages.append(
                 Message(content, node, MessageType.TRAIN, ttl=self.message_ttl_s, group_id=str(server_round))
             )
@@ -308,6 +311,7 @@ class FedBuff(Strategy):
             log.warning("node %s: training task failed: %s", node, reply.error.reason)
             return
         self.report.client_metrics += [(node, m) for m in reply.content.metric_records.values()]
+        self.report.bytes_up.append(payload_bytes(reply.content))
         tau = self.version - task.version
         if tau > self.max_staleness or task.version not in self._models:
             self.report.discarded_stale += 1

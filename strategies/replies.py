@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
 from strategies.tensor_ops import TensorDict, array_view, is_finite
 from strategies.wire import NUM_EXAMPLES, PARTITION_ID
@@ -85,6 +85,12 @@ def _only_record(records: dict, kind: str) -> object:  # noqa: ANN401
     if len(records) != 1:
         raise InvalidReply(f"expected exactly one {kind}, got {len(records)}")
     return next(iter(records.values()))
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """The bytes of every array a message carries (serialised, .npy headers included): what
+    crosses the link for the model, whatever the transport adds."""
+    return sum(len(a.data) for record in content.array_records.values() for a in record.values())
 
 
 def reply_weight(metrics: MetricRecord, weight_key: str = NUM_EXAMPLES) -> float:

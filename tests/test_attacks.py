@@ -26,7 +26,7 @@ from strategies.partitions import PartitionBinding
 from tests.helpers import context_for
 
 NODES = 5
-SPEC = DataSpec(1, 8, 8, 10)
+SPEC = DataSpec((1, 8, 8), 10)
 
 
 Replies = tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], list[float]]
@@ -143,7 +143,7 @@ def test_the_cap_is_exactly_the_count_an_honest_clientapp_reports(partition):
     """In simulation the server caps a node's num-examples at its partition's training
     (validation) part: computed on the server, it must equal what the ClientApp reports."""
     cfg, _ = load_config(f"train.epochs=1 seed=5 {partition}")
-    spec = DataSpec(1, 8, 8, 10)
+    spec = DataSpec((1, 8, 8), 10)
     cap = example_cap(cfg, load_splits(cfg.dataset, cfg.seed)[0].labels, PartitionBinding(NODES))
     config = ConfigRecord({**to_client_record(cfg), **spec_to_record(spec), "server-round": 1})
     global_state = build_model(cfg.model, spec).state_dict()

@@ -16,7 +16,8 @@ from app.client_app import load_scaler_state, save_scaler_state
 from app.config.schema import ConfigError, ModelConfig, TrainConfig
 from app.privacy.dp_sgd import DpSgdSteps
 from app.task import training
-from app.task.data import DataSpec, ImageTensors
+from app.task.data import DataSpec, Examples
+from app.task.metrics import Task
 from app.task.models import GlobalAvgPool, build_model
 from app.task.training import (
     GPU_TENANTS,
@@ -34,12 +35,12 @@ from app.task.training import (
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda:0")
-SPEC = DataSpec(1, 8, 8, 10)
+SPEC = DataSpec((1, 8, 8), 10)
 
 
-def data(n: int = 40, seed: int = 0) -> ImageTensors:
+def data(n: int = 40, seed: int = 0) -> Examples:
     g = torch.Generator().manual_seed(seed)
-    return ImageTensors(torch.randint(0, 256, (n, 1, 8, 8), generator=g, dtype=torch.uint8), torch.arange(n) % 10)
+    return Examples(torch.randint(0, 256, (n, 1, 8, 8), generator=g, dtype=torch.uint8), torch.arange(n) % 10)
 
 
 def fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int = 1, capability: tuple[int, int] = (8, 0)) -> None:
@@ -69,7 +70,7 @@ def test_auto_amp_picks_bf16_by_the_chosen_devices_compute_capability(monkeypatc
 
 def test_channels_last_only_for_models_without_groupnorm_on_cuda() -> None:
     cnn = build_model(ModelConfig(), SPEC)
-    resnet = build_model(ModelConfig(name="resnet18", width=64), DataSpec(3, 32, 32, 10))
+    resnet = build_model(ModelConfig(name="resnet18", width=64), DataSpec((3, 32, 32), 10))
     assert not use_channels_last(cnn, "auto", CUDA)  # GroupNorm: CUDA kernels go back to NCHW
     assert use_channels_last(resnet, "auto", CUDA)
     assert not use_channels_last(resnet, "auto", CPU)
@@ -114,6 +115,24 @@ def test_warm_up_leaves_buffers_gradients_and_rng_as_they_were() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_warm_up_and_fit_use_the_tasks_loss() -> None:
+    """The warm-up's backward passes use the same loss as the loop (a multi-label BCE model would
+    fail, or warm up other kernels, with cross-entropy)."""
+    seen: list[str] = []
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seen.append("loss")
+        return nn.functional.cross_entropy(logits, targets)
+
+    task = Task(loss, [("accuracy", lambda logits, targets: 0.0)])
+    model = build_model(ModelConfig(width=4), SPEC)
+    steps = Steps(model, TrainConfig(batch_size=16, epochs=1), Precision(CPU, "off"), torch.Generator(), task)
+    warm_up(steps, data(40))
+    assert seen == ["loss", "loss"]  # batch sizes 16 and 8
+    fit(steps, data(40))
+    assert len(seen) == 2 + 3
+
+
 def test_dp_sgd_neither_warms_up_nor_autotunes() -> None:
     """Poisson batch sizes vary every step: cuDNN would autotune each new size in the timer."""
     assert DpSgdSteps.fixed_shapes is False and DpSgdSteps.batch_sizes(None, 100) == []  # type: ignore[arg-type]
@@ -152,7 +171,10 @@ def test_deterministic_mode_sets_the_kernel_flags_for_the_loop_only(monkeypatch:
 
 
 def test_models_pool_deterministically_and_like_adaptive_pooling() -> None:
-    for model in (build_model(ModelConfig(), SPEC), build_model(ModelConfig(name="resnet18"), DataSpec(3, 32, 32, 10))):
+    for model in (
+        build_model(ModelConfig(), SPEC),
+        build_model(ModelConfig(name="resnet18"), DataSpec((3, 32, 32), 10)),
+    ):
         assert not any(isinstance(m, nn.AdaptiveAvgPool2d) for m in model.modules())
         assert any(isinstance(m, GlobalAvgPool) for m in model.modules())
     x = torch.randn(3, 5, 7, 6)

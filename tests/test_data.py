@@ -12,6 +12,7 @@ import pytest
 from app.config.schema import DatasetConfig, PartitionConfig
 from app.task.data import (
     DatasetUnavailableError,
+    DataSpec,
     data_spec,
     load_local_data,
     load_splits,
@@ -32,7 +33,7 @@ def test_digits_ship_offline_and_split_deterministically():
     assert len(train.labels) + len(test.labels) == 1797
     assert len(test.labels) == 360  # ceil(0.2 * 1797)
     spec = data_spec(train, test)
-    assert (spec.channels, spec.height, spec.width, spec.num_classes) == (1, 8, 8, 10)
+    assert spec == DataSpec((1, 8, 8), 10)
     data = materialize(test)
     assert data.x.dtype.is_floating_point is False and int(data.x.max()) == 255
 
@@ -130,7 +131,7 @@ def test_hub_loader_on_a_local_dataset(tmp_path):
     train, test = load_splits(cfg, seed=0)
     assert (len(train.labels), len(test.labels)) == (40, 12)
     spec = data_spec(train, test)
-    assert (spec.channels, spec.height, spec.width, spec.num_classes) == (3, 32, 32, 10)
+    assert spec == DataSpec((3, 32, 32), 10)
 
 
 def test_hub_dataset_offline_fails_with_what_to_do():

@@ -151,7 +151,7 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
     path = tmp_path / "site.npz"
     np.savez(path, x=rng.integers(0, 255, (50, 8, 8), dtype=np.uint8), y=rng.integers(0, 10, 50))
     cfg, _ = load_config("train.epochs=1")
-    spec = DataSpec(1, 8, 8, 10)
+    spec = DataSpec((1, 8, 8), 10)
     from app.task.models import build_model
 
     arrays = ArrayRecord(build_model(cfg.model, spec).state_dict())
@@ -169,7 +169,7 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
     reply = client_app(ins, context_for(0, 1, node_config={"data-path": str(path)}))
     assert reply.content["metrics"]["num-examples"] == 45  # 10% kept for validation
     bad = np.savez(tmp_path / "wrong.npz", x=np.zeros((10, 28, 28), np.uint8), y=np.zeros(10)) or tmp_path / "wrong.npz"
-    with pytest.raises(Exception, match=r"images are \(1, 28, 28\), the global model expects \(1, 8, 8\)"):
+    with pytest.raises(Exception, match=r"examples are shaped \(1, 28, 28\), the global model expects \(1, 8, 8\)"):
         client_app(ins, context_for(0, 1, node_config={"data-path": str(bad)}))
 
 

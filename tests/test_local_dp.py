@@ -41,19 +41,20 @@ from app.protocol import PRIOR_KEY, to_client_record
 from app.run.checkpoint import load_checkpoint
 from app.run.federation import FederatedRun, run_federation
 from app.simulation.local_grid import InProcessGrid
-from app.task.data import DataSpec, ImageTensors, load_splits, materialize, spec_to_record
+from app.task.data import DataSpec, Examples, load_splits, materialize, spec_to_record
+from app.task.metrics import Task
 from app.task.models import build_model
 from app.task.training import Precision, Steps, TrainStats, fit, resolve_precision, train
 from app.tools.in_process import run_in_process
 from tests.helpers import context_for
 
-DIGITS = DataSpec(1, 8, 8, 10)
+DIGITS = DataSpec((1, 8, 8), 10)
 LOG = "flwr.fedgpu.app.privacy.dp_sgd"
 CPU = resolve_precision("off", torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
-def digits() -> ImageTensors:
+def digits() -> Examples:
     source, _ = load_splits(DatasetConfig(), seed=0)
     return materialize(source)
 
@@ -169,7 +170,7 @@ def test_resnet18_is_fixed_to_groupnorm_logged_and_trains_on_the_server_models_k
 
 
 def test_empty_poisson_batches_still_take_a_noised_accounted_step(digits):
-    data = ImageTensors(digits.x[:20], digits.y[:20])
+    data = Examples(digits.x[:20], digits.y[:20])
     sampling, _ = dp_generators(torch.device("cpu"), seed=5)
     batches = UniformWithReplacementSampler(num_samples=20, sample_rate=0.05, generator=sampling, steps=20)
     assert any(not b for b in batches)  # this seed draws empty batches
@@ -194,7 +195,7 @@ def test_bf16_autocast_keeps_every_clipped_gradient_within_clip_norm(digits):
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         train_private(
             model,
-            ImageTensors(digits.x[i : i + 1], digits.y[i : i + 1]),  # q = 1: one step on this one example
+            Examples(digits.x[i : i + 1], digits.y[i : i + 1]),  # q = 1: one step on this one example
             TrainConfig(epochs=1, batch_size=1, lr=1.0, momentum=0.0),
             PrivacyConfig(noise_multiplier=0.0, clip_norm=clip),
             resolve_precision("bf16", torch.device("cpu")),
@@ -219,7 +220,7 @@ def test_amp_is_kept_only_where_opacus_supports_it(caplog):
 def test_a_noiseless_unclipped_full_batch_step_is_exactly_plain_sgd(digits, channels_last):
     """Summed per-example gradients must equal the batch gradient. Opacus 1.6 gets conv ones wrong on
     channels_last activations: a CUDA model (prepare_model), or digits, whose 1-channel strides read so."""
-    data = ImageTensors(digits.x[:64], digits.y[:64])
+    data = Examples(digits.x[:64], digits.y[:64])
     cfg = TrainConfig(epochs=1, batch_size=64, lr=1.0, momentum=0.0)  # q = 1: one step on all 64
     torch.manual_seed(0)
     reference = build_model(ModelConfig(), DIGITS)
@@ -232,11 +233,33 @@ def test_a_noiseless_unclipped_full_batch_step_is_exactly_plain_sgd(digits, chan
         torch.testing.assert_close(private.state_dict()[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+def test_dp_sgd_trains_with_the_tasks_loss(digits):
+    """A loss that is 0 everywhere gives zero per-example gradients: with no noise the weights stay."""
+    model = make_private_compatible(build_model(ModelConfig(), DIGITS))
+    before = [p.detach().clone() for p in model.parameters()]
+    zero = Task(lambda logits, targets: (logits * 0.0).mean(), [("accuracy", lambda logits, targets: 0.0)])
+    cfg = TrainConfig(epochs=1, batch_size=16, lr=1.0, momentum=0.0)
+    stats, _ = train_private(
+        model,
+        Examples(digits.x[:64], digits.y[:64]),
+        cfg,
+        PrivacyConfig(noise_multiplier=0.0),
+        CPU,
+        RecordDict(),
+        {},
+        seed=1,
+        task=zero,
+    )
+    assert stats.loss == 0.0 and stats.steps == 4
+    for b, p in zip(before, model.parameters(), strict=True):
+        torch.testing.assert_close(b, p)
+
+
 def test_dp_sgd_runs_in_the_one_training_loop(digits, monkeypatch):
     """train_private plans, accounts and reports; the steps themselves run in app.task.training.fit."""
     calls = []
 
-    def spy(steps: Steps, data: ImageTensors) -> TrainStats:
+    def spy(steps: Steps, data: Examples) -> TrainStats:
         calls.append(steps)
         return fit(steps, data)
 
@@ -244,7 +267,7 @@ def test_dp_sgd_runs_in_the_one_training_loop(digits, monkeypatch):
     model = make_private_compatible(build_model(ModelConfig(), DIGITS))
     cfg = TrainConfig(epochs=1, batch_size=16)
     stats, metrics = train_private(
-        model, ImageTensors(digits.x[:64], digits.y[:64]), cfg, PrivacyConfig(), CPU, RecordDict(), {}, seed=1
+        model, Examples(digits.x[:64], digits.y[:64]), cfg, PrivacyConfig(), CPU, RecordDict(), {}, seed=1
     )
     assert len(calls) == 1 and isinstance(calls[0], DpSgdSteps) and isinstance(calls[0].optimizer, DPOptimizer)
     assert stats.steps == metrics["dp-steps"] == 4

@@ -92,10 +92,12 @@ def test_report_numbers_equal_the_runs_summaries(sweep: Path) -> None:
     plain = [s for name, s in summaries.items() if "privacy" not in name and "fedbuff" not in name]
     row = table["strategy=fedavg"]
     assert int(row["runs"]) == 3 and int(row["failed"]) == 0 and row["seeds"] == "0 1 2"
+    # summaries from before configurable metrics: final_accuracy stands in for final_metric
+    assert row["metric"] == "accuracy"
     finals = [s["final_accuracy"] for s in plain]
-    assert float(row["final_accuracy_mean"]) == pytest.approx(statistics.mean(finals), rel=1e-12)
-    assert float(row["final_accuracy_std"]) == pytest.approx(statistics.stdev(finals), rel=1e-12)
-    assert float(row["best_accuracy_mean"]) == pytest.approx(statistics.mean(s["best_accuracy"] for s in plain))
+    assert float(row["final_metric_mean"]) == pytest.approx(statistics.mean(finals), rel=1e-12)
+    assert float(row["final_metric_std"]) == pytest.approx(statistics.stdev(finals), rel=1e-12)
+    assert float(row["best_metric_mean"]) == pytest.approx(statistics.mean(s["best_accuracy"] for s in plain))
     assert float(row["wall_time_s_mean"]) == pytest.approx(statistics.mean(s["wall_time_s"] for s in plain))
     # seed 0 reaches 0.9 in round 2 (t = 4 s), seed 1 in round 3 (t = 6 s), seed 2 never
     assert int(row["reached_target"]) == 2
@@ -106,17 +108,39 @@ def test_report_numbers_equal_the_runs_summaries(sweep: Path) -> None:
 
     dp = table["privacy=central strategy=fedavg"]
     assert int(dp["runs"]) == 2 and int(dp["failed"]) == 1
-    assert float(dp["epsilon_mean"]) == 5.0 and float(dp["final_accuracy_mean"]) == pytest.approx(0.275)
+    assert float(dp["epsilon_mean"]) == 5.0 and float(dp["final_metric_mean"]) == pytest.approx(0.275)
     assert int(dp["reached_target"]) == 0 and dp["rounds_to_target_mean"] == ""
 
     buff = table["strategy=fedbuff"]
-    assert float(buff["stale_discarded_per_run"]) == 7 and buff["final_accuracy_std"] == ""  # one seed: no std
+    assert float(buff["stale_discarded_per_run"]) == 7 and buff["final_metric_std"] == ""  # one seed: no std
 
     runs = _read_csv(paths["runs_csv"])
     assert len(runs) == 7 and sum(r["status"] == "failed" for r in runs) == 1
     md = paths["md"].read_text()
     assert "| `strategy=fedavg` | 3 | 0 | 88.7 ± 7.8 |" in md  # (95 + 91 + 80) / 3 %, sample std
+    assert "| final accuracy (%) | best accuracy (%) |" in md
     assert "boom" in md and paths["png"].stat().st_size > 0
+
+
+def test_report_follows_each_runs_primary_metric(tmp_path: Path) -> None:
+    """A run whose first task.metrics entry is auroc: its target, table and plot are in auroc."""
+    root = tmp_path / "sweep"
+    for seed, aurocs in ((0, [0.6, 0.85, 0.8]), (1, [0.7, 0.75, 0.95])):
+        job = _job(root, ["task.metrics=[auroc,accuracy]", f"seed={seed}"], [0.1, 0.2, 0.3])
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        for row, auroc in zip(rows, aurocs, strict=True):
+            row["auroc"] = auroc
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary = json.loads((job / "summary.json").read_text())
+        summary |= {"primary_metric": "auroc", "final_metric": aurocs[-1], "best_metric": max(aurocs)}
+        (job / "summary.json").write_text(json.dumps(summary))
+    paths = write_report(root, target=0.8)
+    (row,) = _read_csv(paths["csv"])
+    assert row["metric"] == "auroc" and float(row["final_metric_mean"]) == pytest.approx(0.875)
+    assert float(row["best_metric_mean"]) == pytest.approx(0.9)
+    assert int(row["reached_target"]) == 2 and float(row["rounds_to_target_mean"]) == 2.5  # auroc, not accuracy
+    md = paths["md"].read_text()
+    assert "Target auroc 0.8" in md and "| final auroc (%) | best auroc (%) |" in md and "| 87.5 ± 10.6 |" in md
 
 
 def test_report_on_real_runs_and_on_a_single_run_dir(tmp_path: Path) -> None:
@@ -131,15 +155,16 @@ def test_report_on_real_runs_and_on_a_single_run_dir(tmp_path: Path) -> None:
         summaries.append(run_in_process(overrides, root)[0])
     (row,) = _read_csv(write_report(root, target=0.05)["csv"])
     assert int(row["runs"]) == 2 and row["seeds"] == "3 4"
-    finals = [s["final_accuracy"] for s in summaries]
-    assert float(row["final_accuracy_mean"]) == pytest.approx(statistics.mean(finals), rel=1e-12)
-    assert float(row["final_accuracy_std"]) == pytest.approx(statistics.stdev(finals), rel=1e-12)
+    assert all(s["primary_metric"] == "accuracy" and s["final_metric"] == s["final_accuracy"] for s in summaries)
+    finals = [s["final_metric"] for s in summaries]
+    assert float(row["final_metric_mean"]) == pytest.approx(statistics.mean(finals), rel=1e-12)
+    assert float(row["final_metric_std"]) == pytest.approx(statistics.stdev(finals), rel=1e-12)
     assert int(row["reached_target"]) == 2 and float(row["rounds_to_target_mean"]) == 1.0
 
     single = root / "s3"
     (row,) = _read_csv(write_report(single, target=0.05)["csv"])
     assert row["config"] == "s3" and int(row["runs"]) == 1
-    assert float(row["final_accuracy_mean"]) == summaries[0]["final_accuracy"]
+    assert float(row["final_metric_mean"]) == summaries[0]["final_metric"]
     assert len(find_runs(single)) == 1
 
 

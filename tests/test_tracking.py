@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.run.results import read_rows
-from app.run.tracking import Trackers, scalars
+from app.run.tracking import Trackers, metric_names, scalars
 from app.tools.in_process import run_in_process
 
 
@@ -40,6 +40,14 @@ def test_tracking_off_writes_no_event_files(tmp_path: Path) -> None:
 def test_scalars_skip_missing_and_nested_values() -> None:
     row = {"round": 4, "accuracy": None, "loss": 0.5, "model_updated": True, "train": {"train-loss": 1.0, "x": "a"}}
     assert scalars(row) == {"loss": 0.5, "train/train-loss": 1.0}
+
+
+def test_scalars_take_the_tasks_metric_columns() -> None:
+    row = {"round": 2, "auroc": 0.9, "dice": 0.5, "accuracy": 0.7, "loss": 0.4}
+    assert scalars(row, ("auroc", "dice")) == {"auroc": 0.9, "dice": 0.5, "loss": 0.4}
+    config = {"task": {"metrics": ["auroc", {"_target_": "my_pkg.m.dice"}, {"_target_": "x.y", "name": "iou"}]}}
+    assert metric_names(config) == ("auroc", "dice", "iou")
+    assert metric_names({}) == ("accuracy",)  # a config from before task.metrics
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # SQLAlchemy 2.1 on mlflow's store

@@ -8,6 +8,7 @@ message (`app.protocol`) with these classes alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # The robust rules' names and too-few policies belong to the strategies (an import-free module).
 from strategies.names import POLICIES, ROBUST_RULES
@@ -18,10 +19,11 @@ STRAGGLERS = ("none", "fixed", "lognormal")
 PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = POLICIES
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
-DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "npz", "hf_disk")
-HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist")
+DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python")
+HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
 PARTITIONS = ("iid", "dirichlet")
-MODELS = ("cnn", "resnet18")
+MODELS = ("cnn", "resnet18", "torchvision", "custom")
+BUILTIN_METRICS = ("accuracy", "balanced_accuracy", "f1_macro", "auroc")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_PRECISIONS = ("fp16", "bf16", "off")  # what train.amp resolves to on a device (app.task.training)
 CHANNELS_LAST_MODES = ("auto", "on", "off")
@@ -32,8 +34,12 @@ class ConfigError(ValueError):
     """A config value is unusable; the message names the key, the value and what is allowed."""
 
 
-# (Optional[...] rather than `X | None`: OmegaConf 2.3 reads only the former.)
-# Sections hash by value so clients can cache their data per setting.
+# Sections hash by value so clients can cache their data per setting; dict and list fields
+# are left out of the hash (`hash=False`) but not out of equality, so equal settings still
+# hash alike.
+# `_target_` sections (model=custom, dataset=python, task.loss): app.config.compose moves the
+# `_target_` key to `target` and every key the dataclass lacks into `kwargs`, the keyword
+# arguments the callable gets (app/task/user_code.py).
 @dataclass(unsafe_hash=True)
 class StrategyConfig:
     name: str = "fedavg"
@@ -60,10 +66,12 @@ class DatasetConfig:
     name: str = "digits"
     path: str | None = None
     hf_name: str | None = None
-    image_key: str = "image"
+    image_key: str = "image"  # the input column of a Hugging Face dataset
     label_key: str = "label"
     test_fraction: float = 0.2
     val_fraction: float = 0.1
+    target: str | None = None  # dataset=python: `_target_`, the loader's dotted path
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(unsafe_hash=True)
@@ -77,6 +85,26 @@ class PartitionConfig:
 class ModelConfig:
     name: str = "cnn"
     width: int = 32
+    arch: str | None = None  # model=torchvision: a name torchvision.models.get_model knows
+    target: str | None = None  # model=custom: `_target_`, the dotted path of a callable returning an nn.Module
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    init_weights: str | None = None  # a state_dict file the server starts from (loaded weights-only)
+    trainable: list[str] = field(default_factory=list, hash=False)  # key prefixes trained and sent; [] = all
+
+
+@dataclass(unsafe_hash=True)
+class LossConfig:
+    target: str | None = None  # `_target_`; None: cross-entropy, BCE-with-logits for multi-label targets
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(unsafe_hash=True)
+class TaskConfig:
+    """The loss and the metrics (app/task/metrics.py); the first metric is the primary one."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    # built-in names (BUILTIN_METRICS) or {_target_: dotted.path, name: ..., **kwargs}
+    metrics: list[Any] = field(default_factory=lambda: ["accuracy"], hash=False)
 
 
 @dataclass(unsafe_hash=True)
@@ -143,7 +171,9 @@ class FederationConfig:
     message_ttl_s: float = 3600.0
     node_wait_timeout_s: float = 600.0
     max_wall_time_s: float = 0.0  # stop after this many seconds of training; 0 = no limit
-    target_accuracy: float = 0.0  # stop once central accuracy reaches this; 0 = never
+    target_metric: str | None = None  # the metric target_value refers to; None = task's primary metric
+    target_value: float = 0.0  # stop once the central target_metric reaches this; 0 = never
+    target_accuracy: float = 0.0  # older spelling of target_metric=accuracy target_value=...
     max_examples_per_node: int = 100_000  # cap on a reply's claimed num-examples (its FedAvg weight)
 
 
@@ -181,6 +211,7 @@ class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)

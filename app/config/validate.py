@@ -4,6 +4,7 @@ work starts, with a message that names the key, the value and what is allowed.""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from app.config.schema import (
     AMP_MODES,
     ATTACKS,
     BUFFER_AGGREGATORS,
+    BUILTIN_METRICS,
     CHANNELS_LAST_MODES,
     DATASETS,
     MODELS,
@@ -27,6 +29,7 @@ from app.config.schema import (
 from strategies.staleness import STALENESS_FUNCTIONS
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_TARGET_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 # One directory name that stays under its root: not empty, no '/', '\\' or control character
 # (NUL included), not '.', '..' or hidden. '=' and ',' stay: a sweep job is named after its overrides.
 _DIR_NAME_RE = re.compile(r"[^./\\\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]*")
@@ -111,6 +114,12 @@ def validate(cfg: Config) -> Config:
     if d.name == "hf_disk":
         _require(bool(d.path), "dataset.path", d.path, "dataset=hf_disk needs dataset.path=<save_to_disk dir>")
         _require(Path(d.path).is_dir(), "dataset.path", d.path, "no such directory")
+    if d.name == "hf":
+        _require(
+            bool(d.hf_name), "dataset.hf_name", d.hf_name, "dataset=hf needs dataset.hf_name=<user/name on the Hub>"
+        )
+    if d.name == "python":
+        _require_target("dataset._target_", d.target)
     _require(0.0 < d.test_fraction < 1.0, "dataset.test_fraction", d.test_fraction, "must be in (0, 1)")
     _require(0.0 <= d.val_fraction < 1.0, "dataset.val_fraction", d.val_fraction, "must be in [0, 1)")
 
@@ -119,10 +128,7 @@ def validate(cfg: Config) -> Config:
     _require(p.alpha > 0, "partition.alpha", p.alpha, "must be > 0 (smaller = more label skew)")
     _require(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size, "must be >= 1")
 
-    _one_of("model.name", cfg.model.name, MODELS)
-    _require(cfg.model.width >= 1, "model.width", cfg.model.width, "must be >= 1")
-    if cfg.model.name == "resnet18":
-        _require(cfg.model.width == 64, "model.width", cfg.model.width, "model=resnet18 is 64 wide (torchvision)")
+    _validate_model(cfg)
 
     t = cfg.train
     _require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
@@ -168,14 +174,12 @@ def validate(cfg: Config) -> Config:
 
     _require(f.max_wall_time_s >= 0, "federation.max_wall_time_s", f.max_wall_time_s, "must be >= 0 (0 = no limit)")
     _require(
-        0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
-    )
-    _require(
         f.max_examples_per_node >= 1,
         "federation.max_examples_per_node",
         f.max_examples_per_node,
         "must be an integer >= 1 (the most examples one node's reply may count for)",
     )
+    _validate_task(cfg)
 
     m = cfg.simulation
     _require(m.num_supernodes >= 1, "simulation.num_supernodes", m.num_supernodes, "must be >= 1")
@@ -201,6 +205,140 @@ def validate(cfg: Config) -> Config:
         "allowed: auto, cpu, cuda, cuda:N",
     )
     return cfg
+
+
+def _require_target(key: str, value: str | None) -> None:
+    """A `_target_` must be a dotted path; whether it imports is checked where it is called,
+    before round 1 (app/task/user_code.py)."""
+    _require(
+        bool(value) and _TARGET_RE.fullmatch(str(value)) is not None,
+        key,
+        value,
+        "give the dotted path of a callable, e.g. my_pkg.module.function",
+    )
+
+
+# A metric's name becomes a metrics.jsonl column and a reply key (eval-<name>): a plain word,
+# and not one of the columns every row already has.
+_METRIC_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+_ROW_COLUMNS = ("loss", "round", "version", "wall_time_s", "round_time_s")
+
+
+def _metric_names(metrics: list[Any]) -> list[str]:
+    """The name of each `task.metrics` entry (app/task/metrics.py: `metric_name`), checked."""
+    names = []
+    for i, entry in enumerate(metrics):
+        key = f"task.metrics[{i}]"
+        if isinstance(entry, Mapping):
+            _require_target(f"{key}._target_", entry.get("_target_"))
+            name = entry.get("name")
+            _require(name is None or isinstance(name, str), f"{key}.name", name, "must be a string")
+            name = name or str(entry["_target_"]).rsplit(".", 1)[-1]
+        else:
+            _require(
+                entry in BUILTIN_METRICS,
+                key,
+                entry,
+                f"allowed: {', '.join(BUILTIN_METRICS)}, or {{_target_: my_pkg.module.metric, name: ...}}",
+            )
+            name = entry
+        _require(
+            _METRIC_NAME_RE.fullmatch(name) is not None and name not in _ROW_COLUMNS,
+            f"{key}.name",
+            name,
+            "a metric's name is a metrics.jsonl column: letters, digits, '_', '.', '-', starting with a letter, "
+            f"and none of {', '.join(_ROW_COLUMNS)}",
+        )
+        names.append(name)
+    return names
+
+
+def _validate_task(cfg: Config) -> None:
+    """task.loss, task.metrics and the stopping target they define. Normalises the target:
+    afterwards federation.target_metric names a metric (the primary one when unset) and
+    federation.target_value holds the value to reach (federation.target_accuracy, the older
+    spelling, moved there). Idempotent: validating twice accepts what the first pass set."""
+    t = cfg.task
+    if t.loss.target is not None:
+        _require_target("task.loss._target_", t.loss.target)
+    metrics = list(t.metrics)
+    _require(bool(metrics), "task.metrics", metrics, "name at least one metric, e.g. [accuracy] (the first is primary)")
+    names = _metric_names(metrics)
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    _require(
+        not dupes, "task.metrics", metrics, f"metric names must be unique ({', '.join(dupes)}); set each one's name"
+    )
+
+    f = cfg.federation
+    _require(
+        0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
+    )
+    if f.target_accuracy > 0:
+        _require(
+            f.target_value in (0, f.target_accuracy) and f.target_metric in (None, "accuracy"),
+            "federation.target_accuracy",
+            f.target_accuracy,
+            "it is the older spelling of federation.target_metric=accuracy federation.target_value=...; set one or the "
+            f"other (federation.target_metric={f.target_metric!r}, federation.target_value={f.target_value!r})",
+        )
+        _require(
+            "accuracy" in names,
+            "federation.target_accuracy",
+            f.target_accuracy,
+            f"needs accuracy among task.metrics ({', '.join(names)}); "
+            "use federation.target_metric=<name> federation.target_value=...",
+        )
+        f.target_metric, f.target_value = "accuracy", f.target_accuracy
+    if f.target_metric is None:
+        f.target_metric = names[0]
+    _require(
+        f.target_metric in names,
+        "federation.target_metric",
+        f.target_metric,
+        f"allowed: the names of task.metrics ({', '.join(names)}); unset = the first (primary) one",
+    )
+    _require(
+        0 <= f.target_value < float("inf"),
+        "federation.target_value",
+        f.target_value,
+        f"must be a finite number >= 0: stop once {f.target_metric} reaches it (metrics are higher-is-better); 0 = off",
+    )
+    _require(
+        f.target_value <= 1 or f.target_metric not in BUILTIN_METRICS,
+        "federation.target_value",
+        f.target_value,
+        f"{f.target_metric} is at most 1, so the run would never stop for it; 0 = off",
+    )
+
+
+def _validate_model(cfg: Config) -> None:
+    m = cfg.model
+    _one_of("model.name", m.name, MODELS)
+    _require(m.width >= 1, "model.width", m.width, "must be >= 1")
+    if m.name == "resnet18":
+        _require(m.width == 64, "model.width", m.width, "model=resnet18 is 64 wide (torchvision)")
+    if m.name == "torchvision":
+        _require(
+            bool(m.arch),
+            "model.arch",
+            m.arch,
+            "model=torchvision needs a torchvision model name, e.g. mobilenet_v3_small",
+        )
+    if m.name == "custom":
+        _require_target("model._target_", m.target)
+    if m.init_weights is not None:
+        _require(
+            Path(m.init_weights).is_file(),
+            "model.init_weights",
+            m.init_weights,
+            "no such file (a torch.save'd state_dict)",
+        )
+    _require(
+        all(isinstance(p, str) and p and not p.startswith(".") and not p.endswith(".") for p in m.trainable),
+        "model.trainable",
+        m.trainable,
+        "a list of parameter-name prefixes such as [fc] or [net.9]; [] trains the whole model",
+    )
 
 
 def _validate_fedbuff(s: StrategyConfig) -> None:

@@ -39,7 +39,8 @@ from torch import nn
 from app.config.schema import ConfigError, PrivacyConfig, TrainConfig
 from app.privacy.accounting import MalformedHistory, check_history, history_metrics, plan_round
 from app.protocol import PRIOR_KEY
-from app.task.data import ImageTensors
+from app.task.data import Examples
+from app.task.metrics import Task
 from app.task.training import Precision, Steps, TrainStats, fit, model_inputs
 from strategies.opacus_logging import remove_opacus_root_handler
 
@@ -223,12 +224,14 @@ class DpSgdSteps(Steps):
     `accountant`; Poisson batches at rate q; AMP only where Opacus supports it
     (`private_precision`). train.grad_clip does not apply: privacy.clip_norm bounds every
     example's gradient. `seed` (tests only) fixes the sampling and the noise (`dp_generators`).
+    `task`: its loss (default cross-entropy) must be the batch mean, which is what Opacus's
+    hooks assume (loss_reduction="mean") when they scale the per-example gradients.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        data: ImageTensors,
+        data: Examples,
         cfg: TrainConfig,
         precision: Precision,
         clip_norm: float,
@@ -237,13 +240,14 @@ class DpSgdSteps(Steps):
         num_steps: int,
         accountant: RDPAccountant,
         seed: int | None = None,
+        task: Task | None = None,
     ) -> None:
         self.q, self.num_steps = q, num_steps
         device = precision.device
         model.to(memory_format=torch.contiguous_format).train()  # see _nchw
         self.wrapped, hooks = per_sample_module(model, _nchw(model_inputs(data.x[:1].to(device), precision)))
         sampling, noise = dp_generators(device, seed)
-        super().__init__(model, cfg, private_precision(precision, hooks), sampling)
+        super().__init__(model, cfg, private_precision(precision, hooks), sampling, task)
         self.net = self.wrapped
         self.optimizer = DPOptimizer(
             self.optimizer,
@@ -283,7 +287,7 @@ class DpSgdSteps(Steps):
 
 def train_private(
     model: nn.Module,
-    data: ImageTensors,
+    data: Examples,
     cfg: TrainConfig,
     privacy: PrivacyConfig,
     precision: Precision,
@@ -291,6 +295,7 @@ def train_private(
     record: dict,
     seed: int | None = None,
     keys: Sequence[str] = (),
+    task: Task | None = None,
 ) -> tuple[TrainStats, dict[str, float | int | list[float] | list[int]]]:
     """One round of DP-SGD on this node's data; `model` (unwrapped) is updated in place.
 
@@ -301,7 +306,7 @@ def train_private(
     none fits). The accountant in `state` is updated once the round's steps are taken,
     before any reply is sent (a lost reply still counts: conservative).
     `seed`: see `DpSgdSteps`. `keys` (`history_key`s) name this node in the server's record
-    of histories (`seed_accountant`).
+    of histories (`seed_accountant`). `task`: the loss to train with (default cross-entropy).
     """
     n = len(data)
     if n == 0:
@@ -319,7 +324,7 @@ def train_private(
     accountant = load_accountant(state)
     spent = sum(steps for _, _, steps in accountant.history)
     sigma, round_steps = plan_round(privacy, record, q, steps_per_round(n, cfg), accountant.history)
-    steps = DpSgdSteps(model, data, cfg, precision, privacy.clip_norm, sigma, q, round_steps, accountant, seed)
+    steps = DpSgdSteps(model, data, cfg, precision, privacy.clip_norm, sigma, q, round_steps, accountant, seed, task)
     stats = fit(steps, data)
     save_accountant(state, accountant)
     metrics: dict[str, float | int | list[float] | list[int]] = {

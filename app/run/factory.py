@@ -16,7 +16,7 @@ from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, Str
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import DataSpec, partition_indices, validation_size
-from app.task.models import build_model
+from app.task.models import build_model, check_fits, load_init_weights
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
 from strategies.coordinatewise import CoordinateMedian, MedianRule, TrimmedMean, TrimmedMeanRule
 from strategies.fedavg import FedAvg
@@ -28,15 +28,21 @@ from strategies.robust import RobustRule, RobustStrategy
 from strategies.staleness import staleness_fn
 
 
-def global_model(cfg: Config, spec: DataSpec) -> torch.nn.Module:
-    """The model the server holds; under local DP the clients train the Opacus-compatible
-    variant (`make_private_compatible`), so the server's has the same keys."""
+def global_model(cfg: Config, spec: DataSpec, probe: torch.Tensor) -> torch.nn.Module:
+    """The model the server holds, checked before round 1: `model.init_weights` loaded into it,
+    and a forward pass on `probe` (two of the data's examples, as the training loop feeds
+    them) that must give one row of `num_classes` outputs each. Under local DP the clients
+    train the Opacus-compatible variant (`make_private_compatible`, after the weights are
+    loaded: a BatchNorm it replaces loses them), so the server's has the same keys."""
     model = build_model(cfg.model, spec)
-    if cfg.privacy.name != "local":
-        return model
-    from app.privacy.dp_sgd import make_private_compatible  # Opacus: only where local DP needs it
+    if cfg.model.init_weights:
+        load_init_weights(model, cfg.model.init_weights)
+    if cfg.privacy.name == "local":
+        from app.privacy.dp_sgd import make_private_compatible  # Opacus: only where local DP needs it
 
-    return make_private_compatible(model)
+        model = make_private_compatible(model)
+    check_fits(model, cfg.model, spec, probe)
+    return model
 
 
 def robust_rule(name: str, st: StrategyConfig, device: torch.device) -> RobustRule:

@@ -26,14 +26,18 @@ from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.run.factory import build_strategy, check_cohort, example_cap, global_model, run_privacy
 from app.run.results import RunRecorder, new_run_dir
-from app.run.rows import reply_metrics, reported, round_row, version_row
+from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.stragglers import client_record, straggler_factors
 from app.task.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
-from app.task.training import evaluate, resolve_device, resolve_precision
+from app.task.metrics import Task
+from app.task.models import model_key, trainable_keys
+from app.task.training import evaluate, model_inputs, resolve_device, resolve_precision
 from strategies.central_dp import PrivacyBudgetExhausted
+from strategies.fedavg import task_content
 from strategies.fedbuff import VersionReport
 from strategies.partitions import PartitionBinding
+from strategies.replies import payload_bytes
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -88,12 +92,17 @@ class FederatedRun:
         train_source, test_source = load_splits(cfg.dataset, cfg.seed)
         spec = data_spec(train_source, test_source)
         self.test_data = materialize(test_source)
+        self.task = Task.from_config(cfg.task, spec)  # the loss and metrics of central evaluation
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
-        self.model = global_model(cfg, spec)
-        self.arrays = ArrayRecord(self.model.state_dict())
+        self.model = global_model(cfg, spec, model_inputs(self.test_data.x[:2], self.precision))
+        # The strategy aggregates the trainable tensors only (`self.arrays`); the frozen ones
+        # travel with every task (`strategy.frozen`) and are never aggregated.
+        self.trainable = trainable_keys(self.model, cfg.model.trainable)
+        self.arrays, self.frozen = self.split(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
+        self.strategy.frozen = self.frozen
         self.first_round, self.elapsed_before = 1, 0.0
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
@@ -109,28 +118,30 @@ class FederatedRun:
                 raise ConfigError(
                     f"resume={resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
                 )
-            self.arrays = ArrayRecord(ckpt.state_dict)
+            self.arrays, self.frozen = self.split(ckpt.state_dict)
+            self.strategy.frozen = self.frozen
             self.strategy.load_state_dict(ckpt.strategy_state)
             restore_rng(ckpt.rng)
             self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
             run_state = ckpt.run_state
             if "local_dp_history" in run_state:  # a checkpoint from before HistoryLedger: histories only
                 run_state = {"local_dp": {"histories": run_state["local_dp_history"]}}
-            self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round)
+            self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round, primary=self.task.primary)
             log.info("resuming %s after round %d", resume, ckpt.round)
         else:
             run_dir = new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name, reuse=cfg.resume == "auto")
-            self.recorder = RunRecorder(run_dir)
+            self.recorder = RunRecorder(run_dir, primary=self.task.primary)
         self.recorder.save_config(raw)
         log.info("results: %s", self.recorder.run_dir)
         self.strategy.summary()
         log.info(
-            "%d nodes, %d train / %d test examples, model %s (%d parameters), %s %d..%d",
+            "%d nodes, %d train / %d test examples, model %s (%d parameters, %d trained), %s %d..%d",
             len(self.nodes),
             len(train_source.labels),
             len(self.test_data),
-            cfg.model.name,
+            model_key(cfg.model),
             sum(p.numel() for p in self.model.parameters()),
+            sum(p.numel() for n, p in self.model.named_parameters() if n in self.trainable),
             f"{self.strategy.unit}s",
             self.first_round,
             cfg.federation.rounds,
@@ -171,18 +182,39 @@ class FederatedRun:
                 1 / len(self.nodes),
             )
 
+    def split(self, state: dict[str, torch.Tensor]) -> tuple[ArrayRecord, ArrayRecord | None]:
+        """(the trainable tensors, the frozen ones or None when everything trains)."""
+        frozen = {k: v for k, v in state.items() if k not in set(self.trainable)}
+        return ArrayRecord({k: state[k] for k in self.trainable}), (ArrayRecord(frozen) if frozen else None)
+
+    def full_state(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        """The whole model: the strategy's trainable tensors and the frozen ones."""
+        frozen = self.frozen.to_torch_state_dict() if self.frozen is not None else {}
+        return {**frozen, **arrays.to_torch_state_dict()}
+
+    def bytes_down(self) -> int:
+        """The array bytes of one training task (model and frozen tensors)."""
+        return payload_bytes(task_content(self.arrays, ConfigRecord(), self.frozen))
+
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.started
 
-    def central_eval(self, arrays: ArrayRecord) -> tuple[float, float]:
-        self.model.load_state_dict(arrays.to_torch_state_dict())
-        return evaluate(self.model.to(self.device), self.test_data, self.precision)
+    def central_eval(self, arrays: ArrayRecord) -> tuple[float, dict[str, float]]:
+        """(loss, {metric: value}) of the model on the server's test split."""
+        self.model.load_state_dict(self.full_state(arrays))
+        return evaluate(self.model.to(self.device), self.test_data, self.precision, self.task)
 
-    def should_stop(self, rnd: int, accuracy: float | None) -> bool:
-        """Rounds done, target accuracy reached or wall-clock budget spent (sets stop_reason)."""
+    def describe(self, loss: float, metrics: dict[str, float]) -> str:
+        """The evaluation for a log line: the metrics, then the loss."""
+        return "  ".join([*(f"{k} {v:.4f}" for k, v in metrics.items()), f"loss {loss:.4f}"])
+
+    def should_stop(self, rnd: int, metrics: dict[str, float] | None) -> bool:
+        """Rounds done, the target metric reached or wall-clock budget spent (sets stop_reason).
+        validate() has resolved the target (federation.target_accuracy included)."""
         f = self.cfg.federation
-        if f.target_accuracy and accuracy is not None and accuracy >= f.target_accuracy:
-            self.stop_reason = f"target accuracy {f.target_accuracy} reached"
+        value = (metrics or {}).get(str(f.target_metric))
+        if f.target_value and value is not None and value >= f.target_value:
+            self.stop_reason = f"target {f.target_metric} {f.target_value} reached"
         elif f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s:
             self.stop_reason = f"wall-clock budget {f.max_wall_time_s:.0f} s spent"
         elif rnd >= f.rounds:
@@ -199,7 +231,7 @@ class FederatedRun:
         save_checkpoint(
             self.recorder.checkpoint_path,
             Checkpoint(
-                self.arrays.to_torch_state_dict(),
+                self.full_state(self.arrays),
                 rnd,
                 self.strategy.state_dict(),
                 capture_rng(),
@@ -216,11 +248,13 @@ class FederatedRun:
         self.save_state(rnd, row["wall_time_s"])
         self.recorder.log_round(reported(row, self.cfg.privacy))
 
-    def timed_row(self, rnd: int, accuracy: float | None, loss: float | None, step_s: float) -> dict[str, Any]:
-        """The columns every row starts with."""
+    def timed_row(
+        self, rnd: int, metrics: dict[str, float] | None, loss: float | None, step_s: float
+    ) -> dict[str, Any]:
+        """The columns every row starts with: each metric by its name (None when not evaluated)."""
         return {
             "round": rnd,
-            "accuracy": accuracy,
+            **(metrics if metrics is not None else dict.fromkeys(self.task.names)),
             "loss": loss,
             "wall_time_s": self.elapsed(),
             "round_time_s": step_s,
@@ -234,6 +268,7 @@ class FederatedRun:
         for rnd in range(self.first_round, cfg.federation.rounds + 1):
             t0 = time.time()
             config = ConfigRecord(self.client_config)
+            bytes_down = self.bytes_down()
             replies = list(
                 grid.send_and_receive(strategy.configure_train(rnd, self.arrays, config, grid), timeout=timeout)
             )
@@ -252,9 +287,9 @@ class FederatedRun:
             if federated_eval:
                 eval_msgs = strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid)
                 fed_eval = strategy.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
-            loss, acc = self.central_eval(self.arrays)
+            loss, metrics = self.central_eval(self.arrays)
             row = {
-                **self.timed_row(rnd, acc, loss, time.time() - t0),
+                **self.timed_row(rnd, metrics, loss, time.time() - t0),
                 **round_row(
                     rnd,
                     report,
@@ -265,20 +300,20 @@ class FederatedRun:
                     train_metrics,
                     fed_eval,
                 ),
+                **traffic(bytes_down, [payload_bytes(r.content) for r in replies if not r.has_error()]),
             }
             self.finish_round(rnd, row)
             log.info(
-                "[round %d/%d] accuracy %.4f  loss %.4f  %.1fs  clients %d  rejected %d%s",
+                "[round %d/%d] %s  %.1fs  clients %d  rejected %d%s",
                 rnd,
                 cfg.federation.rounds,
-                acc,
-                loss,
+                self.describe(loss, metrics),
                 row["round_time_s"],
                 row["num_clients"],
                 row["num_rejected"],
                 f"  missing {row['num_missing']}" if row["num_missing"] else "",
             )
-            if self.should_stop(rnd, acc):
+            if self.should_stop(rnd, metrics):
                 break
 
     # --- asynchronous versions (FedBuff) ---------------------------------------------
@@ -297,23 +332,27 @@ class FederatedRun:
                 or v >= cfg.federation.rounds
                 or bool(budget and self.elapsed() >= budget)
             )
-            loss, acc = self.central_eval(arrays) if evaluate_now else (None, None)
+            loss, metrics = self.central_eval(arrays) if evaluate_now else (None, None)
             now = time.time()
-            row = {**self.timed_row(v, acc, loss, now - last), **version_row(report, strategy.tasks_sent)}
+            row = {
+                **self.timed_row(v, metrics, loss, now - last),
+                **version_row(report, strategy.tasks_sent),
+                **traffic(self.bytes_down(), report.bytes_up),
+            }
             last = now
             self.finish_round(v, row)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
                 cfg.federation.rounds,
-                f"accuracy {acc:.4f}  loss {loss:.4f}" if acc is not None else "(not evaluated)",
+                self.describe(loss, metrics) if metrics is not None else "(not evaluated)",
                 row["round_time_s"],
                 row["staleness"],
                 report.discarded_stale,
                 len(report.rejected),
                 len(report.failed),
             )
-            return self.should_stop(v, acc)
+            return self.should_stop(v, metrics)
 
         deadline = time.monotonic() + budget - self.elapsed() if budget else None
         self.arrays = strategy.run(
@@ -334,18 +373,19 @@ class FederatedRun:
             self.stop_reason = f"wall-clock budget {budget:.0f} s spent"
 
     def final_evaluation(self) -> dict[str, Any]:
-        """The final model's accuracy when the last row did not evaluate it.
+        """The final model's metrics when the last row did not evaluate it.
 
         A FedBuff run can stop between evaluations (`strategy.eval_every` > 1) or before
         its first version (a wall-clock budget spent on the first tasks); it still reports
         the model it ends with, the initial one if nothing was applied.
         """
-        rows = self.recorder.rows
-        if rows and rows[-1].get("accuracy") is not None:
+        rows, primary = self.recorder.rows, self.task.primary
+        if rows and rows[-1].get(primary) is not None:
             return {}
-        loss, acc = self.central_eval(self.arrays)
-        log.info("final model, not evaluated by the last recorded step: accuracy %.4f, loss %.4f", acc, loss)
-        return {"final_accuracy": acc, "final_loss": loss}
+        loss, metrics = self.central_eval(self.arrays)
+        log.info("final model, not evaluated by the last recorded step: %s", self.describe(loss, metrics))
+        accuracy = {"final_accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}
+        return {"final_metric": metrics[primary], **accuracy, "final_loss": loss}
 
     def run(self) -> dict[str, Any]:
         status = "failed"
@@ -357,7 +397,7 @@ class FederatedRun:
                 log.warning("stopping: %s; the saved model is the last one released within the budget", err)
             status = "completed"
         finally:
-            torch.save(self.arrays.to_torch_state_dict(), self.recorder.final_model_path)
+            torch.save(self.full_state(self.arrays), self.recorder.final_model_path)
             cfg = self.cfg
             extra: dict[str, Any] = {
                 "strategy": cfg.strategy.name,
@@ -375,7 +415,13 @@ class FederatedRun:
             if status == "completed":
                 extra.update(self.final_evaluation())
             summary = self.recorder.finish(status, self.elapsed(), extra)
-            log.info("run %s: final accuracy %s, results: %s", status, summary["final_accuracy"], self.recorder.run_dir)
+            log.info(
+                "run %s: final %s %s, results: %s",
+                status,
+                summary["primary_metric"],
+                summary["final_metric"],
+                self.recorder.run_dir,
+            )
         return summary
 
 

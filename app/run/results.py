@@ -94,9 +94,15 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 class RunRecorder:
-    """Appends one JSON line per round and writes the summary and plot at the end."""
+    """Appends one JSON line per round and writes the summary and plot at the end.
 
-    def __init__(self, run_dir: Path, resumed_after: int = 0) -> None:
+    Rows carry `loss` and each of the task's metrics as a top-level column by its name
+    (`accuracy`, `auroc`, ...); `primary` names the one the summary's best round and the
+    plot follow (every metric is higher-is-better: app/task/metrics.py).
+    """
+
+    def __init__(self, run_dir: Path, resumed_after: int = 0, primary: str = "accuracy") -> None:
+        self.primary = primary
         self.run_dir = run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -122,14 +128,31 @@ class RunRecorder:
         if self.trackers is not None:
             self.trackers.log_row(row)
 
+    def _final_and_best(self, column: str) -> tuple[Any, dict[str, Any] | None]:
+        """(last value, row with the highest value) of `column`; rows without it are skipped."""
+        rows = [r for r in self.rows if r.get(column) is not None]
+        if not rows:
+            return None, None
+        return rows[-1][column], max(rows, key=lambda r: r[column])  # max: the first of equals
+
     def finish(self, status: str, wall_time_s: float, extra: dict[str, Any]) -> dict[str, Any]:
-        accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
-        best = max(range(len(accs)), key=accs.__getitem__) if accs else None
-        summary = {
+        """Write summary.json: the primary metric's final and best values (`final_metric`,
+        `best_metric`, `best_round`) and, when the rows have an accuracy column, the
+        `final_accuracy` / `best_accuracy` earlier summaries had. `extra` may override the
+        final values (the final model evaluated after the last row)."""
+        final, best = self._final_and_best(self.primary)
+        summary: dict[str, Any] = {
             "status": status,
-            "final_accuracy": accs[-1] if accs else None,
-            "best_accuracy": accs[best] if best is not None else None,
-            "best_round": self.rows[best]["round"] if best is not None else None,
+            "primary_metric": self.primary,
+            "final_metric": final,
+            "best_metric": best[self.primary] if best is not None else None,
+            "best_round": best["round"] if best is not None else None,
+        }
+        if any("accuracy" in r for r in self.rows) or self.primary == "accuracy":
+            final_acc, best_acc = self._final_and_best("accuracy")
+            summary["final_accuracy"] = final_acc
+            summary["best_accuracy"] = best_acc["accuracy"] if best_acc is not None else None
+        summary |= {
             "rounds_completed": self.rows[-1]["round"] if self.rows else 0,
             "wall_time_s": wall_time_s,
             "run_dir": str(self.run_dir),
@@ -143,7 +166,7 @@ class RunRecorder:
         return summary
 
     def plot(self) -> Path:
-        """Accuracy per round and per second of wall time, and loss per round (curves.png).
+        """The primary metric per round and per second of wall time, and loss per round (curves.png).
 
         Rows without an evaluation (FedBuff with strategy.eval_every > 1) are skipped.
         """
@@ -152,14 +175,15 @@ class RunRecorder:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = [r for r in self.rows if r.get("accuracy") is not None]
+        metric = self.primary
+        rows = [r for r in self.rows if r.get(metric) is not None]
         unit = "version" if rows and "version" in rows[0] else "round"
         rounds = [r["round"] for r in rows]
         fig, (ax_acc, ax_time, ax_loss) = plt.subplots(1, 3, figsize=(15, 4))
-        ax_acc.plot(rounds, [r["accuracy"] for r in rows], marker="o")
-        ax_acc.set(xlabel=unit, ylabel="test accuracy", title="Global model accuracy")
-        ax_time.plot([r["wall_time_s"] for r in rows], [r["accuracy"] for r in rows], marker=".")
-        ax_time.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="Accuracy over time")
+        ax_acc.plot(rounds, [r[metric] for r in rows], marker="o")
+        ax_acc.set(xlabel=unit, ylabel=f"test {metric}", title=f"Global model {metric}")
+        ax_time.plot([r["wall_time_s"] for r in rows], [r[metric] for r in rows], marker=".")
+        ax_time.set(xlabel="wall-clock time (s)", ylabel=f"test {metric}", title=f"{metric} over time")
         ax_loss.plot(rounds, [r["loss"] for r in rows], marker="o", color="tab:red")
         ax_loss.set(xlabel=unit, ylabel="test loss", title="Global model loss")
         for ax in (ax_acc, ax_time, ax_loss):

@@ -93,6 +93,12 @@ def round_row(
     }
 
 
+def traffic(bytes_down: int, bytes_up: list[int]) -> dict[str, Any]:
+    """The array bytes of one task sent (`bytes_down`) and the mean of the replies received
+    (`bytes_up`, None without a reply): what `model.trainable` and compression save."""
+    return {"bytes_down": bytes_down, "bytes_up": round(sum(bytes_up) / len(bytes_up)) if bytes_up else None}
+
+
 def version_row(report: VersionReport, tasks_sent: int) -> dict[str, Any]:
     """A FedBuff version's row, less the run's own columns (accuracy, loss, times)."""
     return {

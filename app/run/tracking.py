@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
-# Scalars taken from a metrics row (absent or non-numeric ones are skipped).
+# Scalars taken from a metrics row besides the task's metrics (absent or non-numeric ones are skipped).
 ROW_SCALARS = (
-    "accuracy",
     "loss",
     "wall_time_s",
     "round_time_s",
@@ -35,9 +35,10 @@ ROW_SCALARS = (
 NESTED = ("train", "federated_eval")  # the clients' weighted metrics, logged as train/<key>
 
 
-def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The numeric metrics of one row under tracker-friendly names."""
-    out = {k: float(row[k]) for k in ROW_SCALARS if _number(row.get(k))}
+def scalars(row: dict[str, Any], metrics: Sequence[str] = ("accuracy",)) -> dict[str, float]:
+    """The numeric metrics of one row under tracker-friendly names: the task's `metrics`
+    (top-level columns named after them), the run's own columns, the clients' sections."""
+    out = {k: float(row[k]) for k in (*metrics, *ROW_SCALARS) if _number(row.get(k))}
     for section in NESTED:
         for key, value in (row.get(section) or {}).items():
             if _number(value):
@@ -47,6 +48,16 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 
 def _number(value: Any) -> bool:  # noqa: ANN401
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def metric_names(config: dict[str, Any]) -> tuple[str, ...]:
+    """The metric columns a run's rows have: its `task.metrics` names (accuracy when unset)."""
+    entries = (config.get("task") or {}).get("metrics") or ["accuracy"]
+    if all(isinstance(entry, str) for entry in entries):
+        return tuple(entries)
+    from app.task.metrics import metric_name  # only here: it imports torch, which the reports need not
+
+    return tuple(metric_name(entry) for entry in entries)
 
 
 def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -64,16 +75,17 @@ def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class TensorBoardTracker:
     """Event files in <run dir>/tensorboard, one scalar per metric and round (or version)."""
 
-    def __init__(self, run_dir: Path, resumed_after: int) -> None:
+    def __init__(self, run_dir: Path, resumed_after: int, metrics: Sequence[str] = ("accuracy",)) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self.metrics = metrics
         # purge_step drops events after the checkpoint's round: a resumed run re-logs them.
         self.writer = SummaryWriter(
             str(run_dir / "tensorboard"), purge_step=resumed_after + 1 if resumed_after else None
         )
 
     def log_row(self, row: dict[str, Any]) -> None:
-        for tag, value in scalars(row).items():
+        for tag, value in scalars(row, self.metrics).items():
             self.writer.add_scalar(tag, value, global_step=int(row["round"]))
         self.writer.flush()  # live: TensorBoard shows the round as soon as it is logged
 
@@ -84,10 +96,17 @@ class TensorBoardTracker:
 class MlflowTracker:
     """One MLflow run per federated run: the config as parameters, every row as metrics."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], uri: str | None, experiment: str) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        uri: str | None,
+        experiment: str,
+        metrics: Sequence[str] = ("accuracy",),
+    ) -> None:
         import mlflow
 
-        self.mlflow = mlflow
+        self.mlflow, self.metrics = mlflow, metrics
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.parent / 'mlflow.db'}"
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(experiment)
@@ -97,7 +116,7 @@ class MlflowTracker:
         log.info("MLflow: run %s in experiment %r at %s", self.run.info.run_id, experiment, uri)
 
     def log_row(self, row: dict[str, Any]) -> None:
-        metrics = {k.replace("/", "."): v for k, v in scalars(row).items()}
+        metrics = {k.replace("/", "."): v for k, v in scalars(row, self.metrics).items()}
         self.mlflow.log_metrics(metrics, step=int(row["round"]), run_id=self.run.info.run_id)
 
     def close(self, summary: dict[str, Any]) -> None:
@@ -112,14 +131,15 @@ class Trackers:
 
     def __init__(self, run_dir: Path, config: dict[str, Any], resumed_after: int = 0) -> None:
         settings = config.get("tracking") or {}
+        metrics = metric_names(config)
         self.active: list[TensorBoardTracker | MlflowTracker] = []
         if settings.get("tensorboard", False):
-            self._start("TensorBoard", lambda: TensorBoardTracker(run_dir, resumed_after))
+            self._start("TensorBoard", lambda: TensorBoardTracker(run_dir, resumed_after, metrics))
         if settings.get("mlflow", False):
             self._start(
                 "MLflow",
                 lambda: MlflowTracker(
-                    run_dir, config, settings.get("mlflow_uri"), settings.get("mlflow_experiment") or "fedgpu"
+                    run_dir, config, settings.get("mlflow_uri"), settings.get("mlflow_experiment") or "fedgpu", metrics
                 ),
             )
 

@@ -71,7 +71,8 @@ def is_malicious(cfg: AttackConfig, seed: int, partition_id: int | None, num_par
 
 
 def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
-    return num_classes - 1 - y
+    """Class c becomes num_classes - 1 - c; N x K 0/1 targets (multi-label) are inverted."""
+    return 1 - y if y.dim() == 2 else num_classes - 1 - y
 
 
 def reported_examples(cfg: AttackConfig, num_examples: int) -> float:

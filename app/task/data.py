@@ -9,17 +9,19 @@ seeded shuffle of the label column, so every node computes the same split by its
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from app.config.registry import Registry
 from app.config.schema import DATASETS, HUB_DATASETS, PARTITIONS, ConfigError, DatasetConfig, PartitionConfig
+from app.task.user_code import call, call_parameters
 
 if TYPE_CHECKING:
     from flwr_datasets.partitioner import Partitioner
@@ -33,30 +35,41 @@ class DatasetUnavailableError(RuntimeError):
 class DataSpec:
     """What the model needs to know about the data; the server sends it to clients."""
 
-    channels: int
-    height: int
-    width: int
-    num_classes: int
+    input_shape: tuple[int, ...]  # one example: C x H x W images, F features, T x F sequences, ...
+    num_classes: int  # the model's outputs: classes, or targets per example when multilabel
+    multilabel: bool = False  # targets are N x K 0/1 values (multi-label; binary when K = 1)
+
+    def image_shape(self, model: str) -> tuple[int, int, int]:
+        """(C, H, W) for an image model; a ConfigError naming the model for other data."""
+        if len(self.input_shape) != 3:
+            raise ConfigError(
+                f"model.name={model} takes images (C x H x W per example), but this data's examples are "
+                f"shaped {self.input_shape}; use model=custom with a model for this data (docs/own-task.md)"
+            )
+        c, h, w = self.input_shape
+        return c, h, w
 
 
-SPEC_KEYS = ("data.channels", "data.height", "data.width", "data.num_classes")
+SPEC_KEYS = ("data.input_shape", "data.num_classes", "data.multilabel")
 
 
-def spec_to_record(spec: DataSpec) -> dict[str, int]:
+def spec_to_record(spec: DataSpec) -> dict[str, Any]:
     """The data spec as ConfigRecord keys (the server sends it with every message)."""
-    return dict(zip(SPEC_KEYS, (spec.channels, spec.height, spec.width, spec.num_classes), strict=True))
+    return dict(zip(SPEC_KEYS, (list(spec.input_shape), spec.num_classes, spec.multilabel), strict=True))
 
 
 def spec_from_record(record: dict) -> DataSpec:
     missing = [k for k in SPEC_KEYS if k not in record]
     if missing:
         raise ValueError(f"message config lacks {missing}; is the ServerApp from this app?")
-    return DataSpec(*(int(record[k]) for k in SPEC_KEYS))
+    shape, classes, multilabel = (record[k] for k in SPEC_KEYS)
+    return DataSpec(tuple(int(d) for d in shape), int(classes), bool(multilabel))
 
 
 @dataclass
-class ImageTensors:
-    """Images as N x C x H x W (uint8 0-255, or float32 0-1) and int64 labels."""
+class Examples:
+    """Inputs (N x ...: uint8 0-255 images, float32, or int64 such as token ids) and targets
+    (int64 class indices N, or float32 0/1 N x K)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -66,9 +79,9 @@ class ImageTensors:
 
 
 class Source(Protocol):
-    labels: np.ndarray
+    labels: np.ndarray  # N class indices, or N x K 0/1 targets
 
-    def images(self, idx: np.ndarray) -> np.ndarray: ...
+    def inputs(self, idx: np.ndarray) -> np.ndarray: ...
 
 
 def to_nchw(x: np.ndarray) -> np.ndarray:
@@ -93,33 +106,69 @@ def to_nchw(x: np.ndarray) -> np.ndarray:
     raise DatasetUnavailableError(f"image values must be uint8 0-255 or float 0-1, got dtype {x.dtype}")
 
 
+def any_inputs(x: Any, where: str) -> np.ndarray:  # noqa: ANN401
+    """Inputs of any shape as they are: uint8 stays (scaled to 0-1 on the device), other
+    integers become int64 (token ids), bool and floats float32."""
+    x = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if x.ndim < 2:
+        raise DatasetUnavailableError(f"{where}: inputs must be N x ... (one row per example), got shape {x.shape}")
+    if x.dtype == np.uint8:
+        return np.ascontiguousarray(x)
+    if np.issubdtype(x.dtype, np.integer):
+        return np.ascontiguousarray(x, dtype=np.int64)
+    if x.dtype == np.bool_ or np.issubdtype(x.dtype, np.floating):
+        return np.ascontiguousarray(x, dtype=np.float32)
+    raise DatasetUnavailableError(f"{where}: inputs must be numbers, got dtype {x.dtype}")
+
+
+def targets(y: Any, where: str) -> np.ndarray:  # noqa: ANN401
+    """N class indices (int64), or N x K 0/1 targets (float32: multi-label, binary with K = 1)."""
+    y = y.numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    if y.ndim == 2 and y.shape[1] > 0:
+        if y.size and not np.isin(y, (0, 1)).all():
+            raise DatasetUnavailableError(f"{where}: N x K targets must be 0 or 1 (multi-label), got other values")
+        return y.astype(np.float32)
+    if y.ndim != 1:
+        raise DatasetUnavailableError(f"{where}: labels must be N class indices or N x K 0/1 targets, got {y.shape}")
+    if y.size and np.issubdtype(y.dtype, np.floating) and not np.equal(np.mod(y, 1), 0).all():
+        raise DatasetUnavailableError(f"{where}: class labels must be whole numbers, got {y.dtype} fractions")
+    if y.size and y.min() < 0:
+        raise DatasetUnavailableError(f"{where}: class labels must be >= 0, got {y.min()}")
+    return y.astype(np.int64)
+
+
 @dataclass
 class ArraySource:
-    """Images held in memory (digits, .npz files)."""
+    """Inputs held in memory (digits, .npz files, a loader's arrays)."""
 
     x: np.ndarray
     labels: np.ndarray
 
-    def images(self, idx: np.ndarray) -> np.ndarray:
+    def inputs(self, idx: np.ndarray) -> np.ndarray:
         return self.x[idx]
 
 
 class HFSource:
-    """A Hugging Face `datasets.Dataset`; images are decoded only when asked for."""
+    """A Hugging Face `datasets.Dataset`; inputs are decoded only when asked for. An `Image`
+    column becomes N x C x H x W images; any other column is taken as it is."""
 
     def __init__(self, ds, image_key: str, label_key: str) -> None:  # noqa: ANN001
+        import datasets
+
         for key in (image_key, label_key):
             if key not in ds.column_names:
                 raise DatasetUnavailableError(
                     f"column {key!r} not in dataset columns {ds.column_names}; "
-                    "set dataset.image_key / dataset.label_key"
+                    "set dataset.image_key (the input column) / dataset.label_key"
                 )
         self.ds, self.image_key = ds, image_key
-        self.labels = np.asarray(ds.select_columns([label_key]).with_format("numpy")[label_key], dtype=np.int64)
+        self.is_image = isinstance(ds.features.get(image_key), datasets.Image)
+        self.labels = targets(ds.select_columns([label_key]).with_format("numpy")[label_key], f"column {label_key!r}")
 
-    def images(self, idx: np.ndarray) -> np.ndarray:
+    def inputs(self, idx: np.ndarray) -> np.ndarray:
         rows = self.ds.select(idx.tolist()).select_columns([self.image_key])
-        return to_nchw(np.stack([np.asarray(img) for img in rows[self.image_key]]))
+        values = np.stack([np.asarray(v) for v in rows[self.image_key]])
+        return to_nchw(values) if self.is_image else any_inputs(values, f"column {self.image_key!r}")
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,8 +186,8 @@ class SubsetSource:
     def __post_init__(self) -> None:
         self.labels = self.base.labels[self.idx]
 
-    def images(self, idx: np.ndarray) -> np.ndarray:
-        return self.base.images(self.idx[idx])
+    def inputs(self, idx: np.ndarray) -> np.ndarray:
+        return self.base.inputs(self.idx[idx])
 
 
 def _split_pair(full: Source, cfg: DatasetConfig, seed: int) -> tuple[Source, Source]:
@@ -155,7 +204,9 @@ def _load_digits() -> ArraySource:
     return ArraySource(to_nchw(x), bunch.target.astype(np.int64))
 
 
-def _load_npz(path: str) -> tuple[ArraySource, ArraySource | None]:
+def _load_npz(path: str, images: bool = True) -> tuple[ArraySource, ArraySource | None]:
+    """x, y (and x_test, y_test) from a .npz file; `images`: x holds images (dataset=npz),
+    else inputs of any shape (a node's own data under dataset=python)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -166,7 +217,8 @@ def _load_npz(path: str) -> tuple[ArraySource, ArraySource | None]:
             raise DatasetUnavailableError(f"{path} has no array {key!r} (found {sorted(arrays)})")
 
     def pair(xk: str, yk: str) -> ArraySource:
-        x, y = to_nchw(arrays[xk]), np.asarray(arrays[yk]).astype(np.int64).reshape(-1)
+        x = to_nchw(arrays[xk]) if images else any_inputs(arrays[xk], f"{path}: {xk}")
+        y = targets(arrays[yk], f"{path}: {yk}")
         if len(x) != len(y):
             raise DatasetUnavailableError(f"{path}: {xk} has {len(x)} rows but {yk} has {len(y)}")
         return ArraySource(x, y)
@@ -200,16 +252,67 @@ def _load_hub(cfg: DatasetConfig, seed: int) -> tuple[HFSource, HFSource]:
         # Partitioning happens in `partition_indices` (the same for every source), so
         # the FederatedDataset is used for loading and its seeded shuffle only.
         fds = FederatedDataset(dataset=cfg.hf_name, partitioners={"train": 1}, shuffle=True, seed=seed)
-        train, test = fds.load_split("train"), fds.load_split("test")
+        train = fds.load_split("train")
     except Exception as err:  # noqa: BLE001 - hub failures come in many types
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         raise DatasetUnavailableError(
             f"dataset={cfg.name} could not be loaded from the Hugging Face Hub "
-            f"({cfg.hf_name}): {type(err).__name__}: {err}. This machine is probably "
-            "offline. Run once with network access to fill the Hugging Face cache, or "
+            f"({cfg.hf_name}): {type(err).__name__}: {err}. "
+            + (
+                "HF_HUB_OFFLINE is set: offline mode, only the local Hugging Face cache was tried. "
+                if offline
+                else "This machine is probably offline. "
+            )
+            + "Run once with network access to fill the Hugging Face cache, or "
             "save the dataset with `save_to_disk` elsewhere and use dataset=hf_disk "
             "dataset.path=<dir>, or use dataset=npz / dataset=digits."
         ) from err
-    return HFSource(train, cfg.image_key, cfg.label_key), HFSource(test, cfg.image_key, cfg.label_key)
+    try:
+        test = fds.load_split("test")
+    except ValueError:  # no test split: hold out test_fraction of train
+        test = None
+    make = lambda ds: HFSource(ds, cfg.image_key, cfg.label_key)  # noqa: E731
+    return _own_test_split((make(train), make(test) if test is not None else None), cfg, seed)
+
+
+def _pair(x: Any, y: Any, where: str) -> ArraySource:  # noqa: ANN401
+    source = ArraySource(any_inputs(x, f"{where} inputs"), targets(y, f"{where} labels"))
+    if len(source.x) != len(source.labels):
+        raise DatasetUnavailableError(f"{where}: {len(source.x)} inputs but {len(source.labels)} labels")
+    return source
+
+
+def loader_sources(out: Any, cfg: DatasetConfig, where: str) -> tuple[Source, Source | None]:  # noqa: ANN401
+    """(train, test or None) from what a dataset=python loader returned: (x, y), ((x, y),
+    (x_test, y_test)), {"train": (x, y), "test": ...}, or a Hugging Face Dataset / DatasetDict."""
+    if type(out).__module__.startswith("datasets"):
+        import datasets
+
+        if isinstance(out, datasets.DatasetDict):
+            if "train" not in out:
+                raise DatasetUnavailableError(f"{where} returned splits {list(out)}; it needs 'train'")
+            test = HFSource(out["test"], cfg.image_key, cfg.label_key) if "test" in out else None
+            return HFSource(out["train"], cfg.image_key, cfg.label_key), test
+        if isinstance(out, datasets.Dataset):
+            return HFSource(out, cfg.image_key, cfg.label_key), None
+    if isinstance(out, dict) and "train" in out:
+        test = out.get("test")
+        return _pair(*out["train"], f"{where} train"), (_pair(*test, f"{where} test") if test is not None else None)
+    if isinstance(out, tuple | list) and len(out) == 2:
+        first, second = out
+        if isinstance(first, tuple | list) and len(first) == 2:
+            return _pair(*first, f"{where} train"), _pair(*second, f"{where} test")
+        return _pair(first, second, where), None
+    raise DatasetUnavailableError(
+        f"{where} returned a {type(out).__name__}; expected (x, y), ((x, y), (x_test, y_test)), "
+        "{'train': (x, y), 'test': (x, y)} or a Hugging Face Dataset / DatasetDict"
+    )
+
+
+def _load_python(cfg: DatasetConfig, **offered: Any) -> tuple[Source, Source | None]:  # noqa: ANN401
+    """A dataset=python loader's data; `offered` values go to it when its signature names them."""
+    out = call("dataset._target_", str(cfg.target), cfg.kwargs, offered)
+    return loader_sources(out, cfg, f"dataset._target_={cfg.target}")
 
 
 def _own_test_split(pair: tuple[Source, Source | None], cfg: DatasetConfig, seed: int) -> tuple[Source, Source]:
@@ -226,6 +329,7 @@ _LOADERS: Registry[Callable[[DatasetConfig, int], tuple[Source, Source]]] = Regi
         **dict.fromkeys(HUB_DATASETS, _load_hub),
         "npz": lambda cfg, seed: _own_test_split(_load_npz(cfg.path), cfg, seed),
         "hf_disk": lambda cfg, seed: _own_test_split(_load_disk(cfg, cfg.path), cfg, seed),
+        "python": lambda cfg, seed: _own_test_split(_load_python(cfg, seed=seed), cfg, seed),
     },
 )
 
@@ -237,7 +341,12 @@ def load_splits(cfg: DatasetConfig, seed: int) -> tuple[Source, Source]:
 
 
 def load_local_data(cfg: DatasetConfig, path: str, seed: int) -> Source:
-    """A SuperNode's own training data (deployment): a .npz file or a save_to_disk dir."""
+    """A SuperNode's own training data (deployment): a .npz file or a save_to_disk dir, or
+    under dataset=python what the loader returns when it takes a `data_path` argument."""
+    if cfg.name == "python" and "data_path" in call_parameters("dataset._target_", str(cfg.target)):
+        return _load_python(cfg, seed=seed, data_path=path)[0]
+    if Path(path).is_file() and cfg.name == "python":
+        return _load_npz(path, images=False)[0]
     if Path(path).is_dir():
         return _load_disk(cfg, path)[0]
     if Path(path).is_file():
@@ -246,10 +355,20 @@ def load_local_data(cfg: DatasetConfig, path: str, seed: int) -> Source:
 
 
 def data_spec(train: Source, test: Source) -> DataSpec:
-    """Channels, image size and class count, read off the data."""
-    sample = train.images(np.arange(1))
-    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
-    return DataSpec(channels=sample.shape[1], height=sample.shape[2], width=sample.shape[3], num_classes=num_classes)
+    """One example's shape and the class (or target) count, read off the data; the test
+    split must agree with the training split."""
+    shape, test_shape = (tuple(int(d) for d in s.inputs(np.arange(1)).shape[1:]) for s in (train, test))
+    if shape != test_shape:
+        raise DatasetUnavailableError(f"training examples are shaped {shape} but test examples {test_shape}")
+    if train.labels.ndim == 2:
+        if test.labels.ndim != 2 or test.labels.shape[1] != train.labels.shape[1]:
+            raise DatasetUnavailableError(
+                f"training targets are N x {train.labels.shape[1]} but test targets are shaped {test.labels.shape}"
+            )
+        return DataSpec(shape, int(train.labels.shape[1]), multilabel=True)
+    if test.labels.ndim != 1:
+        raise DatasetUnavailableError(f"training labels are class indices but test targets are {test.labels.shape}")
+    return DataSpec(shape, int(max(train.labels.max(), test.labels.max(initial=0))) + 1)
 
 
 def check_partitioning(num_samples: int, num_partitions: int, cfg: PartitionConfig) -> None:
@@ -305,6 +424,13 @@ def partition_indices(
     check_partitioning(len(labels), num_partitions, cfg)
     if not 0 <= partition_id < num_partitions:
         raise ConfigError(f"partition-id={partition_id} is invalid: must be in [0, {num_partitions})")
+    if labels.ndim != 1:
+        if cfg.name == "dirichlet":
+            raise ConfigError(
+                "partition.name=dirichlet splits by class label, and N x K (multi-label) targets have none; "
+                "use partition=iid, or give class labels"
+            )
+        labels = np.zeros(len(labels), dtype=np.int64)  # iid ignores the labels
     table = datasets.Dataset.from_dict({"label": labels, "row": np.arange(len(labels))})
     table = table.shuffle(seed=seed).flatten_indices()
     partitioner = _PARTITIONERS[cfg.name](num_partitions, cfg, seed)
@@ -319,21 +445,27 @@ def partition_indices(
     return np.sort(np.asarray(part["row"], dtype=np.int64))
 
 
-def materialize(source: Source, idx: np.ndarray | None = None) -> ImageTensors:
-    """Decode images and labels into tensors (the whole source when idx is None)."""
+def materialize(source: Source, idx: np.ndarray | None = None) -> Examples:
+    """Decode inputs and targets into tensors (the whole source when idx is None)."""
     idx = np.arange(len(source.labels)) if idx is None else idx
-    x = torch.from_numpy(source.images(idx))
-    return ImageTensors(x=x, y=torch.from_numpy(source.labels[idx].astype(np.int64)))
+    return Examples(x=torch.from_numpy(source.inputs(idx)), y=torch.from_numpy(source.labels[idx]))
 
 
-def check_spec(data: ImageTensors, spec: DataSpec, where: str) -> None:
-    """A node's data must fit the global model (shape and label range)."""
+def check_spec(data: Examples, spec: DataSpec, where: str) -> None:
+    """A node's data must fit the global model (example shape, targets)."""
     got = tuple(data.x.shape[1:])
-    if got != (spec.channels, spec.height, spec.width):
+    if got != spec.input_shape:
         raise DatasetUnavailableError(
-            f"{where}: images are {got}, the global model expects {(spec.channels, spec.height, spec.width)}"
+            f"{where}: examples are shaped {got}, the global model expects {spec.input_shape}"
         )
-    if len(data) and (int(data.y.min()) < 0 or int(data.y.max()) >= spec.num_classes):
+    if spec.multilabel:
+        if data.y.dim() != 2 or data.y.shape[1] != spec.num_classes:
+            raise DatasetUnavailableError(
+                f"{where}: targets are {tuple(data.y.shape)}, expected N x {spec.num_classes}"
+            )
+    elif data.y.dim() != 1:
+        raise DatasetUnavailableError(f"{where}: targets are {tuple(data.y.shape)}, expected N class indices")
+    elif len(data) and (int(data.y.min()) < 0 or int(data.y.max()) >= spec.num_classes):
         raise DatasetUnavailableError(f"{where}: labels outside [0, {spec.num_classes})")
 
 
@@ -343,10 +475,10 @@ def validation_size(n: int, fraction: float) -> int:
     return 0 if fraction <= 0 or n < 2 else max(1, math.ceil(n * fraction))
 
 
-def split_validation(data: ImageTensors, fraction: float, seed: int) -> tuple[ImageTensors, ImageTensors]:
+def split_validation(data: Examples, fraction: float, seed: int) -> tuple[Examples, Examples]:
     """Keep `fraction` of a client's partition for its local (federated) evaluation."""
     if validation_size(len(data), fraction) == 0:
-        return data, ImageTensors(data.x[:0], data.y[:0])
+        return data, Examples(data.x[:0], data.y[:0])
     train_idx, val_idx = holdout_split(len(data), fraction, seed)
     t, v = torch.from_numpy(train_idx), torch.from_numpy(val_idx)
-    return ImageTensors(data.x[t], data.y[t]), ImageTensors(data.x[v], data.y[v])
+    return Examples(data.x[t], data.y[t]), Examples(data.x[v], data.y[v])

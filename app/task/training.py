@@ -9,6 +9,8 @@ accumulate on the device, and the host synchronises once per call. CUDA adds aut
 where it pays (not for GroupNorm models: see `use_channels_last`), optional cuDNN
 autotuning with every batch shape warmed up outside the timer, a deterministic mode, and
 timing with CUDA events on a stream of the loop's own (threads may share one GPU).
+The loss and the metrics are the task's (`app.task.metrics.Task`; default: cross-entropy
+and accuracy).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from app.config.registry import Registry
 from app.config.schema import AMP_MODES, AMP_PRECISIONS, CHANNELS_LAST_MODES, OPTIMIZERS, ConfigError, TrainConfig
-from app.task.data import ImageTensors
+from app.task.data import Examples
+from app.task.metrics import DEFAULT_TASK, Task
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -114,19 +116,24 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
     return Precision(device=device, amp=amp)
 
 
-def use_channels_last(model: nn.Module, setting: str, device: torch.device) -> bool:
+def use_channels_last(model: nn.Module, setting: str, device: torch.device, images: bool = True) -> bool:
     """`auto`: channels_last on CUDA unless the model has GroupNorm, whose CUDA kernels call
-    `.contiguous()` (and run in fp32 under autocast), converting layouts at every layer."""
+    `.contiguous()` (and run in fp32 under autocast), converting layouts at every layer.
+    Only image batches (N x C x H x W) have the layout: other data never uses it."""
     if setting not in CHANNELS_LAST_MODES:
         raise ConfigError(f"train.channels_last={setting!r} is invalid: allowed: {', '.join(CHANNELS_LAST_MODES)}")
+    if not images:
+        if setting == "on":
+            log.warning("train.channels_last=on: the data are not images (N x C x H x W); training without it")
+        return False
     if setting != "auto":
         return setting == "on"
     return device.type == "cuda" and not any(isinstance(m, nn.GroupNorm) for m in model.modules())
 
 
-def with_layout(precision: Precision, model: nn.Module, setting: str) -> Precision:
-    """`precision` with the memory layout `use_channels_last` picks for `model`."""
-    return replace(precision, channels_last=use_channels_last(model, setting, precision.device))
+def with_layout(precision: Precision, model: nn.Module, setting: str, images: bool = True) -> Precision:
+    """`precision` with the memory layout `use_channels_last` picks for `model` (and the data)."""
+    return replace(precision, channels_last=use_channels_last(model, setting, precision.device, images))
 
 
 def prepare_model(model: nn.Module, precision: Precision) -> nn.Module:
@@ -136,19 +143,23 @@ def prepare_model(model: nn.Module, precision: Precision) -> nn.Module:
     return model
 
 
-def to_device(data: ImageTensors, device: torch.device) -> ImageTensors:
+def to_device(data: Examples, device: torch.device) -> Examples:
     """One host-to-device copy of the whole partition (pinned, non-blocking on CUDA)."""
     if device.type != "cuda":
         return data
-    return ImageTensors(
+    return Examples(
         x=data.x.pin_memory().to(device, non_blocking=True),
         y=data.y.pin_memory().to(device, non_blocking=True),
     )
 
 
 def model_inputs(x: torch.Tensor, precision: Precision) -> torch.Tensor:
-    """uint8 0-255 or float 0-1 images to float 0-1, in the device's preferred layout."""
-    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+    """uint8 0-255 to float 0-1, floats as float32, other integers (token ids) as they are;
+    images in the device's preferred layout."""
+    if x.dtype == torch.uint8:
+        x = x.float().div_(255.0)
+    elif x.is_floating_point():
+        x = x.float()
     return x.contiguous(memory_format=torch.channels_last) if precision.channels_last else x
 
 
@@ -295,8 +306,16 @@ class Steps:
 
     fixed_shapes = True  # batches have at most two sizes (full, last): worth autotuning
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, precision: Precision, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        precision: Precision,
+        generator: torch.Generator,
+        task: Task | None = None,
+    ) -> None:
         self.model, self.cfg, self.precision, self.generator = model, cfg, precision, generator
+        self.task = task or DEFAULT_TASK  # the loss `fit` and `warm_up` use, the accuracy `fit` reports
         self.net: nn.Module = model  # what the loop calls (DP-SGD: a per-example-gradient wrapper)
         self.optimizer = make_optimizer(model, cfg)
 
@@ -327,7 +346,7 @@ class Steps:
         """After the loop, also when it fails."""
 
 
-def warm_up(steps: Steps, data: ImageTensors) -> None:
+def warm_up(steps: Steps, data: Examples) -> None:
     """One forward and backward per batch size the loop will see, before the clock starts
     (`fit` does it on CUDA): lazy kernel loading, cuBLAS set-up and cuDNN autotuning would
     otherwise be timed (in a deployed node's fresh process, every round). Leaves the model's
@@ -337,7 +356,7 @@ def warm_up(steps: Steps, data: ImageTensors) -> None:
     with torch.random.fork_rng(devices=[precision.device] if precision.device.type == "cuda" else []):
         for size in steps.batch_sizes(len(data)):
             with autocast(precision):
-                loss = F.cross_entropy(steps.net(steps.inputs(data.x[:size])), data.y[:size])
+                loss = steps.task.loss(steps.net(steps.inputs(data.x[:size])), data.y[:size])
             loss.backward()
     steps.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -345,7 +364,7 @@ def warm_up(steps: Steps, data: ImageTensors) -> None:
             buffer.copy_(value)
 
 
-def fit(steps: Steps, data: ImageTensors, scaler_state: dict[str, float | int] | None = None) -> TrainStats:
+def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | None = None) -> TrainStats:
     """The training loop, for plain training and DP-SGD alike; `steps.model` is updated in place.
 
     Loss and accuracy are tallied once after the loop from the kept per-step losses
@@ -378,7 +397,7 @@ def fit(steps: Steps, data: ImageTensors, scaler_state: dict[str, float | int] |
                 xb, yb = steps.inputs(on_device.x[idx]), on_device.y[idx]
                 with autocast(precision):
                     logits = steps.net(xb)
-                    loss = F.cross_entropy(logits, yb)
+                    loss = steps.task.loss(logits, yb)
                 if scaler is None:
                     loss.backward()
                     steps.before_step(None)
@@ -398,7 +417,7 @@ def fit(steps: Steps, data: ImageTensors, scaler_state: dict[str, float | int] |
             wall = clock.stop()
     finally:
         steps.close()
-    stats = train_stats(losses, outputs, labels, len(data), wall, clock.peak_mb, taken)
+    stats = train_stats(losses, outputs, labels, len(data), wall, clock.peak_mb, taken, steps.task)
     if scaler is not None:
         stats.skipped_steps, stats.scaler_state = int(skipped), scaler.state_dict()
     return stats
@@ -406,14 +425,16 @@ def fit(steps: Steps, data: ImageTensors, scaler_state: dict[str, float | int] |
 
 def train(
     model: nn.Module,
-    data: ImageTensors,
+    data: Examples,
     cfg: TrainConfig,
     precision: Precision,
     seed: int,
     scaler_state: dict[str, float | int] | None = None,
+    task: Task | None = None,
 ) -> TrainStats:
-    """`cfg.epochs` epochs of mini-batch training; the model is updated in place."""
-    return fit(Steps(model, cfg, precision, torch.Generator().manual_seed(seed)), data, scaler_state)
+    """`cfg.epochs` epochs of mini-batch training with `task`'s loss (default: cross-entropy);
+    the model is updated in place."""
+    return fit(Steps(model, cfg, precision, torch.Generator().manual_seed(seed), task), data, scaler_state)
 
 
 def train_stats(
@@ -424,13 +445,15 @@ def train_stats(
     wall: float,
     peak_mb: float | None,
     steps: int,
+    task: Task = DEFAULT_TASK,
 ) -> TrainStats:
-    """Tally the kept per-step mean losses, logits and labels once, after the loop."""
+    """Tally the kept per-step mean losses, logits and labels once, after the loop (each loss
+    is its batch's mean, so weighting by batch size gives the mean over every example seen)."""
     seen = sum(len(y) for y in labels)
     if seen:
         sizes = torch.tensor([len(y) for y in labels], dtype=torch.float32)
         loss_mean = float((torch.stack(losses).float().cpu() * sizes).sum()) / seen
-        accuracy = float((torch.cat(outputs).argmax(1) == torch.cat(labels)).sum()) / seen
+        accuracy = task.accuracy(torch.cat(outputs), torch.cat(labels))
     else:
         loss_mean, accuracy = float("nan"), float("nan")
     return TrainStats(
@@ -445,21 +468,32 @@ def train_stats(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: ImageTensors, precision: Precision, batch_size: int = 512) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) over `data`; (nan, nan) when it is empty."""
+def evaluate(
+    model: nn.Module, data: Examples, precision: Precision, task: Task | None = None, batch_size: int = 512
+) -> tuple[float, dict[str, float]]:
+    """(mean loss, {metric name: value} for every metric of `task`) over `data`; `task`
+    defaults to cross-entropy and accuracy. Empty data: nan for the loss and each metric.
+
+    The loss accumulates on the device (batch mean x batch size, see `Task.loss`); the
+    logits (N x classes, small next to the inputs) are kept and moved to the CPU once,
+    where the metrics see the whole split at once (AUROC and F1 do not average over batches).
+    """
+    task = task or DEFAULT_TASK
     if len(data) == 0:
-        return float("nan"), float("nan")
+        return float("nan"), {name: float("nan") for name in task.names}
     device = precision.device
     model.eval()
     with GPU_TENANTS.hold() if device.type == "cuda" else contextlib.nullcontext():  # see LoopClock
         on_device = to_device(data, device)
         loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
+        outputs: list[torch.Tensor] = []
         for start in range(0, len(data), batch_size):
             xb = model_inputs(on_device.x[start : start + batch_size], precision)
             yb = on_device.y[start : start + batch_size]
             with autocast(precision):
                 logits = model(xb)
-            loss_sum += F.cross_entropy(logits.float(), yb, reduction="sum")
-            correct += (logits.argmax(1) == yb).sum()
-        return float(loss_sum) / len(data), float(correct) / len(data)
+            logits = logits.float()
+            loss_sum += task.loss(logits, yb).float() * len(yb)
+            outputs.append(logits)
+        loss = float(loss_sum) / len(data)
+        return loss, task.metrics(torch.cat(outputs).cpu(), data.y)

@@ -1,4 +1,6 @@
-"""Overlay runs: test accuracy against wall-clock time (and against rounds/versions).
+"""Overlay runs: the primary metric on the test split against wall-clock time (and against
+rounds/versions). The primary metric is summary.json's `primary_metric` (the run's first
+`task.metrics` entry), accuracy for runs written before metrics were configurable.
 
     python -m app.compare_runs ~/fedgpu-runs/<sync run> ~/fedgpu-runs/<fedbuff run> -o compare.png
 
@@ -15,26 +17,37 @@ from pathlib import Path
 from app.run.results import read_rows, read_summary
 
 
-def read_curve(run_dir: Path) -> tuple[list[float], list[int], list[float]]:
-    """(wall times, rounds, accuracies) of the evaluated rows of a run's metrics.jsonl."""
+def primary_metric(run_dir: Path) -> str:
+    """The run's primary metric: its summary's, else accuracy (older runs, and runs still going)."""
+    return str((read_summary(run_dir) or {}).get("primary_metric") or "accuracy")
+
+
+def read_curve(run_dir: Path, metric: str | None = None) -> tuple[list[float], list[int], list[float]]:
+    """(wall times, rounds, values of `metric`, default the primary one) of the evaluated rows of
+    a run's metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass run directories (the ones holding metrics.jsonl)")
-    rows = [r for r in read_rows(run_dir) if r.get("accuracy") is not None]
-    return [r["wall_time_s"] for r in rows], [r["round"] for r in rows], [r["accuracy"] for r in rows]
+    metric = metric or primary_metric(run_dir)
+    rows = [r for r in read_rows(run_dir) if r.get(metric) is not None]
+    return [r["wall_time_s"] for r in rows], [r["round"] for r in rows], [r[metric] for r in rows]
 
 
 def draw_curves(
     ax, runs: Sequence[tuple[str, Path]], x: str = "time", title: str = "", target: float | None = None
 ) -> None:  # noqa: ANN001
-    """Accuracy of each `(label, run dir)` on one matplotlib axis, against wall time or rounds."""
-    for label, run_dir in runs:
-        times, rounds, accs = read_curve(run_dir)
-        ax.plot(times if x == "time" else rounds, accs, marker=".", label=label)
+    """The primary metric of each `(label, run dir)` on one matplotlib axis, against wall time or
+    rounds; runs with different primary metrics say theirs in the legend."""
+    metrics = [primary_metric(run_dir) for _, run_dir in runs]
+    mixed = len(set(metrics)) > 1
+    for (label, run_dir), metric in zip(runs, metrics, strict=True):
+        times, rounds, values = read_curve(run_dir, metric)
+        ax.plot(times if x == "time" else rounds, values, marker=".", label=f"{label} [{metric}]" if mixed else label)
+    name = "primary metric" if mixed or not metrics else metrics[0]
     if x == "time":
-        ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title=title or "Accuracy over time")
+        ax.set(xlabel="wall-clock time (s)", ylabel=f"test {name}", title=title or f"{name} over time")
     else:
-        ax.set(xlabel="round (sync) / version (async)", ylabel="test accuracy", title=title or "Accuracy per update")
+        ax.set(xlabel="round (sync) / version (async)", ylabel=f"test {name}", title=title or f"{name} per update")
     if target:
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
     ax.grid(alpha=0.3)
@@ -61,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (holding metrics.jsonl)")
     parser.add_argument("-o", "--out", type=Path, default=Path("compare.png"))
-    parser.add_argument("--target", type=float, default=None, help="draw a target accuracy line")
+    parser.add_argument("--target", type=float, default=None, help="draw a line at this value of the primary metric")
     args = parser.parse_args(argv)
     labels = []
     for run in args.runs:

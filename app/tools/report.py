@@ -1,11 +1,14 @@
-"""Compare runs: one table row per configuration (seeds pooled), and accuracy plots.
+"""Compare runs: one table row per configuration (seeds pooled), and plots of the primary metric.
 
     python -m app.report ~/fedgpu-runs/sweeps/default            # a sweep (python -m app.sweep)
     python -m app.report ~/fedgpu-runs/20261130-101500-fedavg-digits --target 0.9   # one run
 
 Writes report.csv (one row per configuration), runs.csv (one row per run), report.md and
-report.png (accuracy per round and over wall-clock time: the mean over seeds as a line,
-min-max over seeds shaded) into the directory, or into --out.
+report.png (the primary metric per round and over wall-clock time: the mean over seeds as
+a line, min-max over seeds shaded) into the directory, or into --out. The primary metric is
+each run's first `task.metrics` entry (summary.json's `primary_metric`; accuracy for runs
+written before metrics were configurable); every metric is higher-is-better, and --target
+is a value of it.
 
 Every number comes from the runs' summary.json and metrics.jsonl. A configuration is a
 sweep job's overrides minus the seed; runs that are not sweep jobs are told apart by the
@@ -26,8 +29,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from app.config.schema import BUILTIN_METRICS
 from app.run.results import read_rows, read_summary
-from app.run.tracking import flat_params
+from app.run.tracking import flat_params, metric_names
 
 DEFAULT_TARGET = 0.95
 IGNORED_KEYS = ("seed", "name", "resume")  # never part of a configuration's identity
@@ -50,6 +54,13 @@ class Run:
     summary: dict[str, Any] | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     label: str = ""
+
+    @property
+    def metric(self) -> str:
+        """The primary metric: summary.json's, else the config's first, else accuracy (older runs)."""
+        if self.summary and self.summary.get("primary_metric"):
+            return str(self.summary["primary_metric"])
+        return metric_names({"task": {"metrics": self.config.get("task.metrics")}})[0]
 
     @property
     def seed(self) -> Any:  # noqa: ANN401
@@ -139,10 +150,12 @@ def label_runs(runs: list[Run], root: Path) -> None:
 
 
 def run_numbers(run: Run, target: float) -> dict[str, Any]:
-    """One run's numbers, all read from its summary.json and metrics.jsonl."""
+    """One run's numbers, all read from its summary.json and metrics.jsonl; `target` is a value
+    of its primary metric."""
     s = run.summary or {}
-    rows = [r for r in run.rows if r.get("accuracy") is not None]
-    hit = next((r for r in rows if r["accuracy"] >= target), None)
+    metric = run.metric
+    rows = [r for r in run.rows if r.get(metric) is not None]
+    hit = next((r for r in rows if r[metric] >= target), None)
     privacy = s.get("privacy") or {}
     epsilon = privacy.get("epsilon", privacy.get("client_epsilon_max"))
     fedbuff = s.get("fedbuff") or {}
@@ -151,8 +164,9 @@ def run_numbers(run: Run, target: float) -> dict[str, Any]:
         "config": run.label,
         "seed": run.seed,
         "status": run.status,
-        "final_accuracy": s.get("final_accuracy"),
-        "best_accuracy": s.get("best_accuracy"),
+        "metric": metric,
+        "final_metric": s.get("final_metric", s.get("final_accuracy")),  # final_accuracy: older summaries
+        "best_metric": s.get("best_metric", s.get("best_accuracy")),
         "rounds_completed": s.get("rounds_completed"),
         "wall_time_s": s.get("wall_time_s"),
         "round_to_target": hit["round"] if hit else None,
@@ -175,8 +189,8 @@ def _mean_std(values: Sequence[Any]) -> tuple[float | None, float | None]:
 
 
 def summarize(runs: list[Run], target: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(one row per configuration, one row per run). Accuracy statistics pool the completed
-    runs; time to target is the mean over the runs that reached it."""
+    """(one row per configuration, one row per run). The primary metric's statistics pool the
+    completed runs; time to target is the mean over the runs that reached it."""
     per_run = [run_numbers(r, target) for r in runs]
     table = []
     for label in dict.fromkeys(r["config"] for r in per_run):  # first-seen order
@@ -189,8 +203,9 @@ def summarize(runs: list[Run], target: float) -> tuple[list[dict[str, Any]], lis
             "failed": sum(r["status"] == "failed" for r in group),
             "unfinished": sum(r["status"] not in ("completed", "failed") for r in group),
             "seeds": " ".join(str(r["seed"]) for r in done),
+            "metric": "/".join(dict.fromkeys(r["metric"] for r in group)),
         }
-        for key in ("final_accuracy", "best_accuracy", "wall_time_s"):
+        for key in ("final_metric", "best_metric", "wall_time_s"):
             row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([r[key] for r in done])
         row["rounds_mean"] = _mean_std([r["rounds_completed"] for r in done])[0]
         row["target"] = target
@@ -221,30 +236,41 @@ def _pm(mean: float | None, std: float | None, scale: float = 1.0, digits: int =
     return text + (f" ± {std * scale:.{digits}f}" if std is not None else "")
 
 
+def _percent(metric: str) -> bool:
+    """Built-in metrics lie in [0, 1] and show as percentages; a custom one shows as it is."""
+    return metric in BUILTIN_METRICS
+
+
 def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: Path, target: float, plot: str) -> str:
-    # Overrides every configuration shares are said once, above the table.
+    # Overrides every configuration shares are said once, above the table; so is the metric.
     common = set.intersection(*(set(r["config"].split()) for r in table)) if len(table) > 1 else set()
+    metrics = list(dict.fromkeys(r["metric"] for r in table))
+    metric = metrics[0] if len(metrics) == 1 else "metric"
+    unit = " (%)" if all(_percent(m) for m in metrics) else ""
     lines = [
         f"# Report: {root}",
         "",
         f"{len(per_run)} runs in {len(table)} configurations; mean ± std (sample, over seeds) of the completed "
-        f"runs. Target accuracy {target:g}: rounds and seconds are means over the runs that reached it.",
+        f"runs. Target {metric} {target:g}: rounds and seconds are means over the runs that reached it.",
         *([f"All configurations: `{' '.join(sorted(common))}`."] if common else []),
         "",
-        "| configuration | runs | failed | final acc. (%) | best acc. (%) | reached target | rounds to target "
-        "| time to target (s) | wall time (s) | ε | rejected / run | stale discarded / run | failed replies / run |",
+        f"| configuration | runs | failed | final {metric}{unit} | best {metric}{unit} | reached target "
+        "| rounds to target | time to target (s) | wall time (s) | ε | rejected / run | stale discarded / run "
+        "| failed replies / run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
+        config = f"`{' '.join(i for i in r['config'].split() if i not in common) or r['config']}`"
+        scale, digits = (100, 1) if _percent(r["metric"]) else (1, 3)
         lines.append(
             "| "
             + " | ".join(
                 [
-                    f"`{' '.join(i for i in r['config'].split() if i not in common) or r['config']}`",
+                    config + (f" ({r['metric']})" if len(metrics) > 1 else ""),
                     str(r["runs"]),
                     str(r["failed"]) + (f" (+{r['unfinished']} unfinished)" if r["unfinished"] else ""),
-                    _pm(r["final_accuracy_mean"], r["final_accuracy_std"], 100),
-                    _pm(r["best_accuracy_mean"], r["best_accuracy_std"], 100),
+                    _pm(r["final_metric_mean"], r["final_metric_std"], scale, digits),
+                    _pm(r["best_metric_mean"], r["best_metric_std"], scale, digits),
                     f"{r['reached_target']}/{r['runs']}",
                     _pm(r["rounds_to_target_mean"], None),
                     _pm(r["time_to_target_s_mean"], None),
@@ -266,25 +292,26 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
             error = " ".join(str(r["error"] or "see its flwr.log").split())
             lines.append(f"- `{Path(r['path']).name}`: {error[:400]}")
     if plot:
-        lines += ["", f"![Accuracy per round and over wall-clock time]({plot})"]
+        lines += ["", f"![{metric} per round and over wall-clock time]({plot})"]
     return "\n".join(lines) + "\n"
 
 
 def _curves(runs: list[Run]) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    rounds, times, accs = [], [], []
+    """(rounds, wall times, primary-metric values) of each run's evaluated rows."""
+    rounds, times, values = [], [], []
     for run in runs:
-        rows = [r for r in run.rows if r.get("accuracy") is not None]
+        rows = [r for r in run.rows if r.get(run.metric) is not None]
         rounds.append(np.array([r["round"] for r in rows], dtype=float))
         times.append(np.array([r["wall_time_s"] for r in rows], dtype=float))
-        accs.append(np.array([r["accuracy"] for r in rows], dtype=float))
-    return rounds, times, accs
+        values.append(np.array([r[run.metric] for r in rows], dtype=float))
+    return rounds, times, values
 
 
 def _band(xs: list[np.ndarray], ys: list[np.ndarray], grid: np.ndarray, hold: bool) -> tuple[np.ndarray, ...]:
     """Mean, min and max over runs on `grid`.
 
     Rounds (`hold=False`): the runs that have that round. Time (`hold=True`): each run's
-    latest evaluated accuracy at t (a finished run keeps its final one), from the time
+    latest evaluated value at t (a finished run keeps its final one), from the time
     every run has its first evaluation on, so the mean never jumps as runs start or end.
     """
     stack = np.full((len(xs), len(grid)), np.nan)
@@ -302,14 +329,16 @@ def _band(xs: list[np.ndarray], ys: list[np.ndarray], grid: np.ndarray, hold: bo
 
 
 def plot(runs: list[Run], out: Path, target: float | None) -> Path:
-    """Accuracy per round and over wall-clock time: one line per configuration (mean over
-    seeds), min-max over seeds shaded."""
+    """The primary metric per round and over wall-clock time: one line per configuration (mean
+    over seeds), min-max over seeds shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [r for r in runs if r.status == "completed" and r.rows]
+    metrics = list(dict.fromkeys(r.metric for r in done))
+    metric = metrics[0] if len(metrics) == 1 else "primary metric (" + ", ".join(metrics) + ")"
     n_labels = len(dict.fromkeys(r.label for r in done))
     ncol = 2 if n_labels > 4 else 1
     legend_in = 0.22 * (math.ceil(n_labels / ncol) + 1)  # the legend sits under both panels
@@ -331,11 +360,11 @@ def plot(runs: list[Run], out: Path, target: float | None) -> Path:
                 (line,) = ax.plot(x, mean, label=f"{short} (n={len(group)})", marker=".")
             if len(group) > 1:
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0, step=step)
-    ax_round.set(xlabel="round (sync) / version (async)", ylabel="test accuracy", title="Accuracy per round")
+    ax_round.set(xlabel="round (sync) / version (async)", ylabel=f"test {metric}", title=f"{metric} per round")
     ax_time.set(
         xlabel="wall-clock time (s, from the ServerApp's start)",
-        ylabel="test accuracy",
-        title="Accuracy over time (latest evaluation)",
+        ylabel=f"test {metric}",
+        title=f"{metric} over time (latest evaluation)",
     )
     for ax in (ax_round, ax_time):
         if target:
@@ -343,7 +372,7 @@ def plot(runs: list[Run], out: Path, target: float | None) -> Path:
         ax.grid(alpha=0.3)
     handles, labels = ax_round.get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=ncol, frameon=False)
-    fig.suptitle("Test accuracy: mean over seeds, min-max shaded")
+    fig.suptitle(f"Test {metric}: mean over seeds, min-max shaded")
     fig.tight_layout(rect=(0, legend_in / (4.5 + legend_in), 1, 1))
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -369,11 +398,13 @@ def write_report(root: Path, target: float = DEFAULT_TARGET, out: Path | None = 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dir", type=Path, help="a sweep directory or a run directory")
-    parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target accuracy (default 0.95)")
+    parser.add_argument(
+        "--target", type=float, default=DEFAULT_TARGET, help="target value of the primary metric (default 0.95)"
+    )
     parser.add_argument("-o", "--out", type=Path, default=None, help="where to write (default: the directory)")
     args = parser.parse_args(argv)
-    if not 0 < args.target <= 1 or math.isnan(args.target):
-        parser.error(f"--target {args.target} must be in (0, 1]")
+    if not 0 < args.target < math.inf:
+        parser.error(f"--target {args.target} must be a finite number > 0 (a value of the primary metric)")
     try:
         paths = write_report(args.dir, args.target, args.out)
     except ReportError as err:

@@ -264,7 +264,9 @@ def run_job(cfg: DictConfig, job_dir: Path, task: list[str]) -> dict[str, Any]:
         if record["error"] is None and summary is None:
             record["error"] = "Flower reports the run completed, but it left no completed summary.json"
         if summary:
-            record["final_accuracy"] = summary.get("final_accuracy")
+            # The run's primary metric; summaries from before configurable metrics have accuracy only.
+            record["primary_metric"] = summary.get("primary_metric") or "accuracy"
+            record["final_metric"] = summary.get("final_metric", summary.get("final_accuracy"))
     except Exception as err:  # noqa: BLE001 - a sweep job records every failure and returns
         record["error"] = f"{type(err).__name__}: {err}"
     record["status"] = "failed" if record["error"] else "completed"
@@ -275,10 +277,11 @@ def run_job(cfg: DictConfig, job_dir: Path, task: list[str]) -> dict[str, Any]:
         log.error("job %s failed: %s", job_dir.name, record["error"])
     else:
         log.info(
-            "job %s completed in %.0f s: final accuracy %s",
+            "job %s completed in %.0f s: final %s %s",
             job_dir.name,
             record["duration_s"],
-            record.get("final_accuracy"),
+            record.get("primary_metric", "metric"),
+            record.get("final_metric"),
         )
     return record
 
