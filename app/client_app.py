@@ -124,6 +124,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
         log_hidden_gpus_once()
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
+    freeze(model, settings.model.trainable)  # before Opacus's fix, as on the server
     if settings.privacy.name == "local":
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
@@ -131,7 +132,6 @@ def prepare_job(msg: Message, context: Context) -> Job:
     arrays = msg.content[ARRAYS].to_torch_state_dict()
     frozen = msg.content[FROZEN].to_torch_state_dict() if FROZEN in msg.content else {}
     model.load_state_dict({**frozen, **arrays})  # strict: together they are the whole model
-    freeze(model, settings.model.trainable)
     images = len(spec.input_shape) == 3
     precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
     task = Task.from_config(settings.task, spec)

@@ -7,8 +7,9 @@ deployment, where every SuperNode reads only its own file (`--node-config data-p
 
 Partitions are cut exactly as in simulation (the Hydra config's dataset, partitioner and
 seed; `--overrides` as in the run config), from the training split only: the ServerApp
-keeps the test split for central evaluation. Files hold `x` (N x C x H x W float32) and
-`y` (int64), the format `data-path` and `dataset=npz` read.
+keeps the test split for central evaluation. Files hold `x` and `y` as the dataset holds
+them (uint8 images stay uint8 0-255: a node scales them as the server does; any input shape
+of `dataset=python`; class indices, or N x K targets), the format `data-path` reads.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def export_partitions(out: Path, num_partitions: int, overrides: str = "") -> li
     for i in range(num_partitions):
         part = materialize(train, partition_indices(train.labels, num_partitions, i, cfg.partition, cfg.seed))
         path = out / f"partition-{i}.npz"
-        np.savez_compressed(path, x=part.x.numpy().astype(np.float32), y=part.y.numpy())
+        np.savez_compressed(path, x=part.x.numpy(), y=part.y.numpy())
         paths.append(path)
     return paths
 

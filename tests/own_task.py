@@ -89,3 +89,7 @@ def wrong_outputs(num_classes: int) -> nn.Module:
 
 
 NOT_CALLABLE = 42
+
+
+class OddLinear(nn.Linear):
+    """A layer type a test declares unsupported by Opacus."""

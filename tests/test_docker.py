@@ -389,3 +389,15 @@ def test_dockerignore_keeps_secrets_and_data_out_of_the_build_context() -> None:
     patterns = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     for needed in (".git", "docker/creds", "**/*.key", "**/*.secret", "runs", "outputs", "data", "**/*.pt"):
         assert needed in patterns, f".dockerignore lacks {needed}"
+
+
+def test_user_packages_install_with_the_constraints() -> None:
+    """docs/own-task.md: USER_PACKAGES reaches the install recipe (an ARG of the image stage, or
+    it would be empty there) and installs under constraints.txt; docker/wheels/ is in the context."""
+    text = (DOCKER / "Dockerfile").read_text()
+    _, _, stages = _dockerfile()
+    assert "ARG USER_PACKAGES" in stages["fedgpu"], "USER_PACKAGES is not passed to the image stage"
+    assert 'pip install --no-cache-dir -c /opt/fedgpu/constraints.txt ${USER_PACKAGES}' in text
+    assert "COPY docker/wheels/ /opt/fedgpu/wheels/" in text and (DOCKER / "wheels").is_dir()
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert not ignored & {"docker", "docker/wheels", "**/*.whl", "*.whl"}

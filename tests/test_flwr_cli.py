@@ -60,10 +60,10 @@ def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         stop_processes(home, grace_s=10.0)
 
 
-def flwr_run(env: dict[str, str], out_dir: Path, overrides: str) -> tuple[int, str, str | None]:
-    """`flwr run <repo> --stream`; returns (exit code, output without colours, run id)."""
+def flwr_run(env: dict[str, str], out_dir: Path, overrides: str, app_dir: Path = ROOT) -> tuple[int, str, str | None]:
+    """`flwr run <app dir> --stream`; returns (exit code, output without colours, run id)."""
     cmd = [
-        "flwr", "run", str(ROOT), "--stream",
+        "flwr", "run", str(app_dir), "--stream",
         "--run-config", f"output-dir='{out_dir}' overrides='{overrides}'",
         "--federation-config", FEDERATION,
     ]  # fmt: skip
@@ -174,3 +174,41 @@ def test_flwr_run_fedbuff_with_stragglers(flwr_env: dict[str, str], tmp_path: Pa
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     assert all(len(r["staleness"]) == r["num_clients"] == 3 for r in rows), rows
     assert len(summary["stragglers"]["slowdown_per_partition"]) == 3
+
+
+USER_MODULE = """
+import numpy as np
+from torch import nn
+
+
+def mlp(input_shape, num_classes, hidden=8):
+    return nn.Sequential(nn.Linear(input_shape[0], hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+
+def blobs(n=240, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    return (rng.normal(size=(n, 4)) + 1.5 * (2 * y[:, None] - 1)).astype(np.float32), y
+"""
+
+
+def test_flwr_run_ships_a_user_module_inside_the_app_directory(flwr_env: dict[str, str], tmp_path: Path) -> None:
+    """docs/own-task.md, way 2: a module next to pyproject.toml travels in the app bundle, and
+    the ServerApp and every ClientApp import the model and the loader from it."""
+    app_dir = tmp_path / "app_copy"
+    app_dir.mkdir()
+    for name in ("app", "strategies", "conf"):
+        shutil.copytree(ROOT / name, app_dir / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, app_dir / name)
+    (app_dir / "site_task.py").write_text(USER_MODULE)
+    overrides = (
+        "model=custom model._target_=site_task.mlp model.hidden=6 dataset=python dataset._target_=site_task.blobs "
+        "task.metrics=[auroc,accuracy] federation.rounds=2 train.epochs=2"
+    )
+    code, out, run_id = flwr_run(flwr_env, tmp_path / "runs", overrides, app_dir=app_dir)
+    assert code == 0 and run_id, out[-4000:]
+    assert run_status(flwr_env, run_id)["status"] == "finished:completed", out[-4000:]
+    run_dir = Path(re.findall(r"results: (/\S+)$", out, flags=re.MULTILINE)[0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["primary_metric"] == "auroc" and summary["final_metric"] > 0.9, summary

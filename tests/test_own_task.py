@@ -241,3 +241,62 @@ def test_init_weights_start_the_federation_and_resume_keeps_the_frozen_part(tmp_
     assert torch.equal(final["body.1.weight"], pretrained.state_dict()["body.1.weight"])
     with pytest.raises(ConfigError, match=r"model.init_weights=.* does not fit the model: .*body.1.weight"):
         run_in_process(CUSTOM + f" model.hidden=8 model.init_weights={tmp_path / 'pre.pt'}", tmp_path / "bad", nodes=2)
+
+
+# --- a custom task with the rest of the app (docs/testing.md#your-own-task) --------------------
+
+MATRIX = CUSTOM + " task.metrics=[auroc,accuracy] train.epochs=1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "nodes", "learns"),
+    [
+        ("strategy=krum strategy.num_byzantine=1", 5, True),
+        ("strategy=trimmed_mean strategy.trim_ratio=0.2", 5, True),
+        ("strategy=fedbuff strategy.buffer_size=2 federation.rounds=4", 3, True),
+        ("privacy=central privacy.noise_multiplier=0.3 privacy.clip_norm=5", 3, False),
+        ("privacy=local privacy.noise_multiplier=0.5 model.trainable=[head]", 3, False),
+        ("train.amp=bf16 model.trainable=[head] strategy=median", 3, True),
+        ("attack=sign_flip attack.num_malicious=1 strategy=krum strategy.num_byzantine=1", 5, True),
+    ],
+)
+def test_a_custom_task_composes_with_the_rest(tmp_path, extra, nodes, learns):
+    summary = run_in_process(f"{MATRIX} federation.rounds=3 {extra} name=m", tmp_path, nodes=nodes)[0]
+    assert summary["status"] == "completed" and summary["primary_metric"] == "auroc"
+    rows = read_rows(tmp_path / "m")
+    assert all(r["auroc"] is None or 0.0 <= r["auroc"] <= 1.0 for r in rows) and rows[-1]["bytes_up"] > 0
+    if learns:
+        assert summary["final_metric"] > 0.9, summary  # two separable classes: AUROC 0.5 is chance
+
+
+def test_local_dp_names_the_layer_opacus_cannot_train(monkeypatch):
+    from opacus.validators import ModuleValidator
+    from opacus.validators.errors import UnsupportedModuleError
+
+    from app.privacy.dp_sgd import make_private_compatible
+    from tests.own_task import OddLinear
+
+    unsupported = [UnsupportedModuleError("no per-sample gradients")]
+    monkeypatch.setitem(ModuleValidator.VALIDATORS, OddLinear, lambda m: unsupported)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Sequential(OddLinear(3, 2)))
+    with pytest.raises(ConfigError, match=r"Opacus cannot train layer 1.0 \(OddLinear\): no per-sample"):
+        make_private_compatible(model)
+    model[1][0].requires_grad_(False)  # a frozen layer computes no gradients: fine
+    make_private_compatible(model)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    ["", f"dataset=python dataset._target_={OWN}.sequences", f"dataset=python dataset._target_={OWN}.multilabel"],
+)
+def test_exported_partitions_hold_what_the_simulated_node_trains_on(tmp_path, overrides):
+    """scripts/export_partitions.py: a deployed node reading its file gets the very values a
+    simulated node of that partition gets (digits stay uint8 0-255, not floats 0-255)."""
+    from tests.helpers import load_script
+
+    cfg, _ = load_config(overrides)
+    path = load_script("export_partitions").export_partitions(tmp_path, 3, overrides)[1]
+    train, _ = load_splits(cfg.dataset, cfg.seed)
+    expected = materialize(train, partition_indices(train.labels, 3, 1, cfg.partition, cfg.seed))
+    got = materialize(load_local_data(cfg.dataset, str(path), cfg.seed))
+    assert got.x.dtype == expected.x.dtype and torch.equal(got.x, expected.x) and torch.equal(got.y, expected.y)

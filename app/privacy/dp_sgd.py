@@ -32,6 +32,7 @@ from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from opacus.grad_sample.gsm_exp_weights import GradSampleModuleExpandedWeights
 from opacus.optimizers import DPOptimizer
+from opacus.utils.module_utils import trainable_modules
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from opacus.validators import ModuleValidator
 from torch import nn
@@ -68,9 +69,9 @@ def make_private_compatible(model: nn.Module) -> nn.Module:
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     if not ModuleValidator.is_valid(model):
         model = ModuleValidator.fix(model)
-    errors = ModuleValidator.validate(model, strict=False)
-    if errors:
-        raise ConfigError(f"privacy.name=local: Opacus cannot train this model: {errors[0]}")
+    if errors := unsupported_layers(model):
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(f"privacy.name=local: Opacus cannot train layer {errors[0]}{more}")
     swaps = Counter(
         f"{before[name]} → {type(m).__name__}"
         for name, m in model.named_modules()
@@ -84,6 +85,17 @@ def make_private_compatible(model: nn.Module) -> nn.Module:
     if in_place:
         log.debug("privacy=local: %d in-place activation(s) switched to out-of-place", len(in_place))
     return model
+
+
+def unsupported_layers(model: nn.Module) -> list[str]:
+    """`ModuleValidator.validate`'s findings, each with the layer's name (Opacus's own list
+    leaves the name out). Frozen layers are not checked: they compute no gradients."""
+    return [
+        f"{name or '(the model)'} ({type(module).__name__}): {error}"
+        for name, module in trainable_modules(model)
+        if type(module) in ModuleValidator.VALIDATORS
+        for error in ModuleValidator.VALIDATORS[type(module)](module)
+    ]
 
 
 def sample_rate(num_examples: int, batch_size: int) -> float:

@@ -16,7 +16,7 @@ from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, Str
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import DataSpec, partition_indices, validation_size
-from app.task.models import build_model, check_fits, load_init_weights
+from app.task.models import build_model, check_fits, freeze, load_init_weights
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
 from strategies.coordinatewise import CoordinateMedian, MedianRule, TrimmedMean, TrimmedMeanRule
 from strategies.fedavg import FedAvg
@@ -37,6 +37,7 @@ def global_model(cfg: Config, spec: DataSpec, probe: torch.Tensor) -> torch.nn.M
     model = build_model(cfg.model, spec)
     if cfg.model.init_weights:
         load_init_weights(model, cfg.model.init_weights)
+    freeze(model, cfg.model.trainable)  # Opacus checks and fixes only the layers that train
     if cfg.privacy.name == "local":
         from app.privacy.dp_sgd import make_private_compatible  # Opacus: only where local DP needs it
 
