@@ -46,9 +46,11 @@ SLOW_TESTS: dict[str, set[str]] = {
     "test_sweep": {  # real Hydra multiruns through `flwr run`
         "test_two_by_two_sweep_records_a_failure_goes_on_and_skips_completed_jobs_when_rerun",
         "test_a_failing_serverapp_is_recorded_with_flowers_verdict",
+        "test_a_sweep_over_a_custom_task_reports_its_primary_metric",
     },
     # long federations
     "test_attacks": {"test_inflated_counts_leave_capped_fedavg_and_multikrum_near_the_clean_run"},
+    "test_own_task": {"test_a_custom_task_composes_with_the_rest"},  # seven federations
 }
 
 

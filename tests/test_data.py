@@ -134,13 +134,29 @@ def test_hub_loader_on_a_local_dataset(tmp_path):
     assert spec == DataSpec((3, 32, 32), 10)
 
 
-def test_hub_dataset_offline_fails_with_what_to_do():
+def test_any_hub_dataset_without_a_test_split_holds_one_out(tmp_path):
+    """dataset=hf: a tabular dataset (a list column, not images) with a train split only."""
+    import datasets
+
+    (tmp_path / "data").mkdir()
+    rows = {"features": [[float(i), 1.0] for i in range(50)], "label": [i % 2 for i in range(50)]}
+    datasets.Dataset.from_dict(rows).to_parquet(tmp_path / "data" / "train-00000.parquet")
+    cfg = DatasetConfig(name="hf", hf_name=str(tmp_path), image_key="features", test_fraction=0.2)
+    train, test = load_splits(cfg, seed=0)
+    assert (len(train.labels), len(test.labels)) == (40, 10)
+    assert data_spec(train, test) == DataSpec((2,), 2)
+
+
+@pytest.mark.parametrize(("name", "hf_name"), [("cifar10", "uoft-cs/cifar10"), ("hf", "someone/some-dataset")])
+def test_hub_dataset_offline_fails_with_what_to_do(name, hf_name):
     code = (
         "from app.config.schema import DatasetConfig\nfrom app.task.data import load_splits\n"
-        "load_splits(DatasetConfig(name='cifar10', hf_name='uoft-cs/cifar10', image_key='img'), 0)"
+        f"load_splits(DatasetConfig(name={name!r}, hf_name={hf_name!r}, image_key='img'), 0)"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent-hf-home"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0
-    assert "DatasetUnavailableError: dataset=cifar10" in proc.stderr
-    assert "offline" in proc.stderr and "dataset=hf_disk" in proc.stderr
+    assert f"DatasetUnavailableError: dataset={name} could not be loaded from the Hugging Face Hub ({hf_name})" in (
+        proc.stderr
+    )
+    assert "HF_HUB_OFFLINE is set: offline mode" in proc.stderr and "dataset=hf_disk" in proc.stderr

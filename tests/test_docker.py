@@ -397,7 +397,7 @@ def test_user_packages_install_with_the_constraints() -> None:
     text = (DOCKER / "Dockerfile").read_text()
     _, _, stages = _dockerfile()
     assert "ARG USER_PACKAGES" in stages["fedgpu"], "USER_PACKAGES is not passed to the image stage"
-    assert 'pip install --no-cache-dir -c /opt/fedgpu/constraints.txt ${USER_PACKAGES}' in text
+    assert "pip install --no-cache-dir -c /opt/fedgpu/constraints.txt ${USER_PACKAGES}" in text
     assert "COPY docker/wheels/ /opt/fedgpu/wheels/" in text and (DOCKER / "wheels").is_dir()
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert not ignored & {"docker", "docker/wheels", "**/*.whl", "*.whl"}

@@ -300,3 +300,19 @@ def test_exported_partitions_hold_what_the_simulated_node_trains_on(tmp_path, ov
     expected = materialize(train, partition_indices(train.labels, 3, 1, cfg.partition, cfg.seed))
     got = materialize(load_local_data(cfg.dataset, str(path), cfg.seed))
     assert got.x.dtype == expected.x.dtype and torch.equal(got.x, expected.x) and torch.equal(got.y, expected.y)
+
+
+def test_custom_loss_metric_and_federated_evaluation_end_to_end(tmp_path):
+    """A loss `_target_` with an argument and a metric `_target_` (tests/test_metrics.py) in a
+    whole run: the metric is a column, federated evaluation replies carry eval-<name>, and the
+    run stops at its target on the primary metric."""
+    overrides = (
+        f"{CUSTOM} task.loss._target_=torch.nn.CrossEntropyLoss task.loss.label_smoothing=0.1 "
+        "task.metrics=[{_target_:tests.test_metrics.top2_hits,name:top2},accuracy] federation.fraction_evaluate=1 "
+        "federation.rounds=5 federation.target_value=0.99 train.epochs=1 name=c"
+    )
+    summary = run_in_process(overrides, tmp_path, nodes=2)[0]
+    rows = read_rows(tmp_path / "c")
+    assert summary["primary_metric"] == "top2" and rows[-1]["top2"] == 1.0  # two classes: top-2 always hits
+    assert summary["stop_reason"] == "target top2 0.99 reached" and len(rows) == 1
+    assert {"eval-top2", "eval-accuracy", "eval-loss"} <= rows[0]["federated_eval"].keys()

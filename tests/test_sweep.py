@@ -160,3 +160,19 @@ def test_a_failing_serverapp_is_recorded_with_flowers_verdict(tmp_path: Path) ->
     assert job["flwr_status"] == "finished:failed"
     assert "federation.min_available_nodes=4" in job["error"], job["error"]
     assert not processes_under(str(tmp_path / "homes"))
+
+
+def test_a_sweep_over_a_custom_task_reports_its_primary_metric(tmp_path: Path) -> None:
+    """A user's model, loader and metrics (tests/own_task.py, shipped with the app directory)
+    through a sweep job: the job completes and the report speaks AUROC."""
+    custom = [
+        "model=custom", "model._target_=tests.own_task.MLP", "++model.hidden=8", "dataset=python",
+        "dataset._target_=tests.own_task.tabular", "task.metrics=[auroc,accuracy]",
+    ]  # fmt: skip
+    proc = _sweep(["--multirun", *custom, *TINY, "sweep.name=own"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ((name, job),) = _jobs(tmp_path / "own").items()
+    assert job["status"] == "completed" and job["primary_metric"] == "auroc", job
+    summary = json.loads((tmp_path / "own" / name / "summary.json").read_text())
+    assert summary["final_metric"] > 0.9 and summary["model"] == "custom", summary
+    assert "auroc" in (tmp_path / "own" / "report.md").read_text()
