@@ -50,6 +50,11 @@ SLOW_TESTS: dict[str, set[str]] = {
     },
     # long federations
     "test_attacks": {"test_inflated_counts_leave_capped_fedavg_and_multikrum_near_the_clean_run"},
+    "test_examples": {  # each example's whole federation in process (tens of seconds to minutes)
+        "test_breast_cancer_example_ranks_tumours_well",
+        "test_finetune_example_sends_only_the_head_and_keeps_the_body",
+        "test_torchvision_example_learns_the_digits",
+    },
     "test_own_task": {"test_a_custom_task_composes_with_the_rest"},  # seven federations
 }
 
