@@ -184,7 +184,8 @@ class FederatedRun:
 
     def split(self, state: dict[str, torch.Tensor]) -> tuple[ArrayRecord, ArrayRecord | None]:
         """(the trainable tensors, the frozen ones or None when everything trains)."""
-        frozen = {k: v for k, v in state.items() if k not in set(self.trainable)}
+        trainable = set(self.trainable)
+        frozen = {k: v for k, v in state.items() if k not in trainable}
         return ArrayRecord({k: state[k] for k in self.trainable}), (ArrayRecord(frozen) if frozen else None)
 
     def full_state(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:

@@ -218,7 +218,10 @@ def _load_npz(path: str, images: bool = True) -> tuple[ArraySource, ArraySource 
 
     def pair(xk: str, yk: str) -> ArraySource:
         x = to_nchw(arrays[xk]) if images else any_inputs(arrays[xk], f"{path}: {xk}")
-        y = targets(arrays[yk], f"{path}: {yk}")
+        y = np.asarray(arrays[yk])
+        if images and y.ndim == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)  # dataset=npz as before: an N x 1 column of class labels
+        y = targets(y, f"{path}: {yk}")
         if len(x) != len(y):
             raise DatasetUnavailableError(f"{path}: {xk} has {len(x)} rows but {yk} has {len(y)}")
         return ArraySource(x, y)
