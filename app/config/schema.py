@@ -7,6 +7,7 @@ message (`app.protocol`) with these classes alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,15 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_PRECISIONS = ("fp16", "bf16", "off")  # what train.amp resolves to on a device (app.task.training)
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 AMP_MODES = ("auto", *AMP_PRECISIONS)
+
+
+def metric_name(entry: Any) -> str:  # noqa: ANN401
+    """A `task.metrics` entry's name (its metrics.jsonl column): the built-in's, the entry's
+    `name`, else its `_target_`'s last part. Here, dependency-free, because the validation,
+    the ClientApp's metrics and the reports all name metrics the same way."""
+    if isinstance(entry, Mapping):
+        return str(entry.get("name") or str(entry.get("_target_", "")).rsplit(".", 1)[-1])
+    return str(entry)
 
 
 class ConfigError(ValueError):

@@ -25,6 +25,7 @@ from app.config.schema import (
     Config,
     ConfigError,
     StrategyConfig,
+    metric_name,
 )
 from strategies.staleness import STALENESS_FUNCTIONS
 
@@ -225,7 +226,7 @@ _ROW_COLUMNS = ("loss", "round", "version", "wall_time_s", "round_time_s")
 
 
 def _metric_names(metrics: list[Any]) -> list[str]:
-    """The name of each `task.metrics` entry (app/task/metrics.py: `metric_name`), checked."""
+    """The name of each `task.metrics` entry (`metric_name`), checked."""
     names = []
     for i, entry in enumerate(metrics):
         key = f"task.metrics[{i}]"
@@ -233,7 +234,7 @@ def _metric_names(metrics: list[Any]) -> list[str]:
             _require_target(f"{key}._target_", entry.get("_target_"))
             name = entry.get("name")
             _require(name is None or isinstance(name, str), f"{key}.name", name, "must be a string")
-            name = name or str(entry["_target_"]).rsplit(".", 1)[-1]
+            name = metric_name(entry)
         else:
             _require(
                 entry in BUILTIN_METRICS,

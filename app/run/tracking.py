@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app.config.schema import metric_name
+
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 # Scalars taken from a metrics row besides the task's metrics (absent or non-numeric ones are skipped).
@@ -53,10 +55,6 @@ def _number(value: Any) -> bool:  # noqa: ANN401
 def metric_names(config: dict[str, Any]) -> tuple[str, ...]:
     """The metric columns a run's rows have: its `task.metrics` names (accuracy when unset)."""
     entries = (config.get("task") or {}).get("metrics") or ["accuracy"]
-    if all(isinstance(entry, str) for entry in entries):
-        return tuple(entries)
-    from app.task.metrics import metric_name  # only here: it imports torch, which the reports need not
-
     return tuple(metric_name(entry) for entry in entries)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from app.config.registry import Registry
-from app.config.schema import BUILTIN_METRICS, ConfigError, TaskConfig
+from app.config.schema import BUILTIN_METRICS, ConfigError, TaskConfig, metric_name
 from app.task.data import DataSpec
 from app.task.user_code import call, locate
 
@@ -118,13 +118,6 @@ _BUILTINS: Registry[Callable[[torch.Tensor, torch.Tensor, bool], float]] = Regis
         "auroc": _auroc,
     },
 )
-
-
-def metric_name(entry: Any) -> str:  # noqa: ANN401
-    """A metric's name: the built-in's, the entry's `name`, else its `_target_`'s last part."""
-    if isinstance(entry, Mapping):
-        return str(entry.get("name") or str(entry.get("_target_", "")).rsplit(".", 1)[-1])
-    return str(entry)
 
 
 class Task:
