@@ -3,7 +3,7 @@
     python bench/async_speedup.py                     # both settings, seed 42
     python bench/async_speedup.py --seeds 42 43 44    # more seeds
 
-The default task (digits, small CNN, 3 local epochs) on 10 nodes, in two settings:
+The default task (digits, small CNN, the default local training) on 10 nodes, in two settings:
 3 nodes 5x slower (`stragglers=fixed`), and lognormal slowdowns with sigma = 1
 (`stragglers=lognormal`). Per setting and seed, sync FedAvg runs `--rounds` rounds;
 FedBuff then gets exactly the wall-clock time sync took (`federation.max_wall_time_s`).

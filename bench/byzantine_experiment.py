@@ -22,12 +22,17 @@ import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from app.config.schema import ATTACKS  # dependency-free: the parent process stays light
+# Run as a script, bench/ comes first on sys.path: put this checkout's root ahead of any
+# installed copy of `app` (an editable install of another clone would otherwise win).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.config.schema import ATTACKS  # noqa: E402  # dependency-free: the parent stays light
 
 STRATEGIES = {
     "fedavg": "strategy=fedavg",
@@ -106,8 +111,9 @@ def plot(results: list[dict], attacks: list[str], strategies: list[str], path: P
         means = np.array([np.mean(a) for a in accs])
         spread = np.array([[m - min(a), max(a) - m] for m, a in zip(means, accs, strict=True)]).T
         bars.bar(x + i * width, means, width, yerr=spread, capsize=2, label=s)
-    clean = np.mean(final_accuracies(cells[("fedavg", "none")]))
-    bars.axhline(clean, color="black", lw=0.8, ls="--", label="clean FedAvg")
+    if ("fedavg", "none") in cells:  # the reference line needs the clean FedAvg cell
+        clean = np.mean(final_accuracies(cells[("fedavg", "none")]))
+        bars.axhline(clean, color="black", lw=0.8, ls="--", label="clean FedAvg")
     bars.set_xticks(x + width * (len(strategies) - 1) / 2, attacks)
     bars.set(
         ylabel="final test accuracy (%), mean and range over seeds", ylim=(0, 100), title="2 of 10 nodes malicious"

@@ -119,9 +119,9 @@ class TaskConfig:
 
 @dataclass(unsafe_hash=True)
 class TrainConfig:
-    epochs: int = 3
+    epochs: int = 5
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.02
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
