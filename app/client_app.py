@@ -9,8 +9,10 @@ their own .npz file or save_to_disk directory.
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -36,6 +38,7 @@ from app.protocol import (
 )
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
 from app.simulation.stragglers import slow_down
+from app.task.batch_size import resolve_batch_size
 from app.task.data import (
     DataSpec,
     Examples,
@@ -47,11 +50,14 @@ from app.task.data import (
     spec_from_record,
     split_validation,
 )
+from app.task.distributed import Work, local_devices, train_on_devices
+from app.task.gpu_memory import MemoryCap, cap_memory, memory_share, release
 from app.task.metrics import Task
 from app.task.models import build_model, freeze
 from app.task.telemetry import GpuTelemetry, log_hidden_gpus_once
 from app.task.training import (
     Precision,
+    Steps,
     evaluate,
     prepare_model,
     resolve_device,
@@ -114,6 +120,7 @@ class Job:
     model: torch.nn.Module
     task: Task  # the loss and the metrics
     sent_keys: list[str]  # the tensors the server aggregates (model.trainable): the only ones a reply carries
+    cap: MemoryCap | None  # this client's share of a shared GPU (app/task/gpu_memory.py)
 
 
 def prepare_job(msg: Message, context: Context) -> Job:
@@ -122,6 +129,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
     device = resolve_device(settings.train.device)
     if device.type == "cpu" and settings.train.device == "auto":
         log_hidden_gpus_once()
+    cap = cap_memory(device, memory_share(settings.train.gpu_memory_fraction))  # before anything is allocated
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     freeze(model, settings.model.trainable)  # before Opacus's fix, as on the server
@@ -136,7 +144,34 @@ def prepare_job(msg: Message, context: Context) -> Job:
     precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
     task = Task.from_config(settings.task, spec)
     model = prepare_model(model, precision)
-    return Job(record, settings, spec, precision, train_data, val_data, model, task, list(arrays))
+    return Job(record, settings, spec, precision, train_data, val_data, model, task, list(arrays), cap)
+
+
+def released(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+    """Empty PyTorch's GPU cache once a task is over (its tensors are gone with the handler's
+    frame), so the memory goes back to the other clients sharing the GPU (Flower #1942)."""
+
+    @functools.wraps(handler)
+    def run(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        finally:
+            release()
+
+    return run
+
+
+def node_batch_size(job: Job, context: Context, data: Examples) -> int:
+    """train.batch_size, with `auto` resolved for this node's GPU (probed once, kept in its state)."""
+    cfg = job.settings.train
+    return resolve_batch_size(
+        context.state,
+        lambda c: Steps(job.model, c, job.precision, torch.Generator(), job.task),
+        cfg,
+        job.settings.model,
+        data,
+        job.cap,
+    )
 
 
 def partition_of(context: Context) -> int | None:
@@ -156,6 +191,7 @@ def save_scaler_state(state: RecordDict, scaler_state: dict[str, float | int]) -
 
 
 @app.train()
+@released
 def train_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     settings, attack = job.settings, job.settings.attack
@@ -169,6 +205,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     if malicious and attack.name == "label_flip":
         train_data = Examples(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
+    cfg = replace(settings.train, batch_size=node_batch_size(job, context, train_data))
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if settings.privacy.name == "local":
             from app.privacy.accounting import history_key
@@ -177,7 +214,7 @@ def train_handler(msg: Message, context: Context) -> Message:
             stats, dp_metrics = train_private(
                 job.model,
                 train_data,
-                settings.train,
+                cfg,
                 settings.privacy,
                 job.precision,
                 context.state,
@@ -187,7 +224,12 @@ def train_handler(msg: Message, context: Context) -> Message:
             )
         else:
             scaler_state = load_scaler_state(context.state)
-            stats = train(job.model, train_data, settings.train, job.precision, seed, scaler_state, job.task)
+            devices = local_devices(cfg.local_devices, job.precision.device)
+            if len(devices) > 1:
+                work = Work(settings.model, job.spec, settings.task, cfg, job.precision, seed, scaler_state)
+                stats = train_on_devices(job.model, train_data, work, devices)
+            else:
+                stats = train(job.model, train_data, cfg, job.precision, seed, scaler_state, job.task)
             dp_metrics = {}
             save_scaler_state(context.state, stats.scaler_state)
     delay = slow_down(job.record, partition, stats.wall_time_s, seed)
@@ -204,6 +246,11 @@ def train_handler(msg: Message, context: Context) -> Message:
         metrics |= dict(zip(TRAIN_METRICS, (stats.loss, stats.accuracy, stats.samples_per_s), strict=True))
     if stats.peak_gpu_mem_mb is not None:
         metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
+    metrics |= {"batch-size": cfg.batch_size, "oom-retries": stats.oom_retries}
+    if stats.oom_retries:
+        metrics["micro-batch-size"] = stats.micro_batch_size
+    if job.cap is not None:
+        metrics |= job.cap.metrics()
     if job.precision.amp == "fp16":
         metrics["amp-skipped-steps"] = stats.skipped_steps
     if partition is not None:
@@ -217,6 +264,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@released
 def evaluate_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     loss, values = evaluate(job.model, job.val_data, job.precision, job.task)

@@ -87,6 +87,8 @@ def _structured(value: Any) -> bool:  # noqa: ANN401
 def _decode(f: Any, value: Any) -> Any:  # noqa: ANN401
     """A field's value from the record: JSON text for dicts, lists and nested sections."""
     default = f.default_factory() if f.default_factory is not MISSING else f.default
+    if f.type == "Any" and isinstance(value, str) and value[:1] in "[{":  # e.g. train.local_devices=[0, 1]
+        return json.loads(value)
     if not (_structured(default) or is_dataclass(default)) or not isinstance(value, str):
         return value
     decoded = json.loads(value)

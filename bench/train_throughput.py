@@ -355,7 +355,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="float",
         help="baseline inputs: float 0-1 made once before timing, or uint8 converted per batch like ours",
     )
-    p.add_argument("--cnn-epochs", type=int, default=3, help="epochs per cnn/digits run (the train config's default is 5; examples/s does not depend on it)")
+    p.add_argument(
+        "--cnn-epochs",
+        type=int,
+        default=3,
+        help="epochs per cnn/digits run (the train config's default is 5; examples/s does not depend on it)",
+    )
     p.add_argument("--cnn-batch-size", type=int, default=32, help="train config default: 32")
     p.add_argument("--cnn-reps", type=int, default=20, help="timed repetitions of each loop (interleaved)")
     p.add_argument("--skip-cnn", action="store_true")

@@ -120,7 +120,10 @@ class TaskConfig:
 @dataclass(unsafe_hash=True)
 class TrainConfig:
     epochs: int = 5
-    batch_size: int = 32
+    batch_size: Any = 32  # an int, or "auto": the largest that fits the node's GPU memory (app/task/batch_size.py)
+    max_batch_size: int = 1024  # the most `auto` may pick
+    gpu_memory_fraction: float = 0.0  # cap on this client's GPU memory; 0 = its simulation share, else none
+    local_devices: Any = 1  # DDP inside a node (app/task/distributed.py): 1, auto (every visible GPU), N, [ids]
     lr: float = 0.02
     optimizer: str = "sgd"
     momentum: float = 0.9

@@ -133,7 +133,27 @@ def validate(cfg: Config) -> Config:
 
     t = cfg.train
     _require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
-    _require(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
+    _require(
+        t.batch_size == "auto" or (type(t.batch_size) is int and t.batch_size >= 1),
+        "train.batch_size",
+        t.batch_size,
+        "must be an integer >= 1 or auto",
+    )
+    _require(
+        not (t.batch_size == "auto" and cfg.privacy.name == "local"),
+        "train.batch_size",
+        t.batch_size,
+        "privacy=local needs a fixed batch size: it sets DP-SGD's sampling rate and so epsilon, "
+        "which must not depend on a node's GPU",
+    )
+    _require(t.max_batch_size >= 1, "train.max_batch_size", t.max_batch_size, "must be >= 1")
+    _validate_local_devices(cfg)
+    _require(
+        0.0 <= t.gpu_memory_fraction <= 1.0,
+        "train.gpu_memory_fraction",
+        t.gpu_memory_fraction,
+        "must be in [0, 1] (0 = the simulation's GPU share, or no cap)",
+    )
     _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _require(0.0 <= t.momentum < 1.0, "train.momentum", t.momentum, "must be in [0, 1)")
@@ -206,6 +226,23 @@ def validate(cfg: Config) -> Config:
         "allowed: auto, cpu, cuda, cuda:N",
     )
     return cfg
+
+
+def _validate_local_devices(cfg: Config) -> None:
+    d = cfg.train.local_devices
+    ok = (
+        d == "auto"
+        or (type(d) is int and d >= 1)
+        or (isinstance(d, list) and d and all(type(i) is int and i >= 0 for i in d))
+    )
+    _require(ok, "train.local_devices", d, "allowed: auto (every visible GPU), N >= 1, or a list of CUDA indices")
+    _require(
+        d == 1 or cfg.privacy.name != "local",
+        "train.local_devices",
+        d,
+        "privacy=local trains on one device: DP-SGD's accounting assumes one Poisson-sampled "
+        "batch per step, which ranks sampling apart would break",
+    )
 
 
 def _require_target(key: str, value: str | None) -> None:

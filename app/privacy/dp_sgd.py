@@ -240,6 +240,8 @@ class DpSgdSteps(Steps):
     hooks assume (loss_reduction="mean") when they scale the per-example gradients.
     """
 
+    splittable = False  # clipping needs every per-example gradient of the batch at once
+
     def __init__(
         self,
         model: nn.Module,

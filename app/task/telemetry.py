@@ -112,6 +112,19 @@ def nvml_uuid(device: torch.device | int | None = None) -> str:
     return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
 
 
+def process_gpu_memory(device: torch.device) -> int | None:
+    """Bytes NVML says this process holds on `device` (None: no NVML, or the process is not
+    listed, as in a container whose PID namespace hides it from the driver)."""
+    try:
+        pynvml = _nvml()
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle(device)):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - "unknown" is an answer here
+        return None
+    return None
+
+
 def hidden_gpus_notice() -> str | None:
     """A warning when the machine has NVIDIA GPUs this process was denied, else None.
 

@@ -29,6 +29,7 @@ from torch import nn
 from app.config.registry import Registry
 from app.config.schema import AMP_MODES, AMP_PRECISIONS, CHANNELS_LAST_MODES, OPTIMIZERS, ConfigError, TrainConfig
 from app.task.data import Examples
+from app.task.gpu_memory import is_oom, release
 from app.task.metrics import DEFAULT_TASK, Task
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -69,6 +70,9 @@ class TrainStats:
     peak_gpu_mem_mb: float | None  # None off CUDA, and when another loop shared the GPU meanwhile
     skipped_steps: int = 0  # fp16: steps the GradScaler skipped for inf/NaN gradients (counted in `steps`)
     scaler_state: dict[str, float | int] = field(default_factory=dict)  # fp16: GradScaler state to keep
+    examples_seen: int = 0  # examples over all steps (epochs x examples for plain training)
+    oom_retries: int = 0  # batches redone in smaller micro-batches after an out-of-memory error
+    micro_batch_size: int = 0  # the micro-batch the loop ended with (= the batch size without OOM)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -305,6 +309,10 @@ class Steps:
     """
 
     fixed_shapes = True  # batches have at most two sizes (full, last): worth autotuning
+    splittable = True  # a batch may run as micro-batches whose gradients add up to the batch's
+    # The loss weight of the batch `batches` yielded last: 1 here; local DDP ranks weight their
+    # slice of a global batch so that the ranks' mean gradient is the global batch's.
+    weight = 1.0
 
     def __init__(
         self,
@@ -318,6 +326,8 @@ class Steps:
         self.task = task or DEFAULT_TASK  # the loss `fit` and `warm_up` use, the accuracy `fit` reports
         self.net: nn.Module = model  # what the loop calls (DP-SGD: a per-example-gradient wrapper)
         self.optimizer = make_optimizer(model, cfg)
+        if not isinstance(cfg.batch_size, int):
+            raise TypeError(f"train.batch_size={cfg.batch_size!r}: resolve 'auto' first (app.task.batch_size)")
 
     def batches(self, n: int) -> Iterator[torch.Tensor]:
         """Index tensors on the device, one per step, drawn with `generator`."""
@@ -346,22 +356,73 @@ class Steps:
         """After the loop, also when it fails."""
 
 
+@contextlib.contextmanager
+def scratch(steps: Steps) -> Iterator[None]:
+    """Passes that must leave no trace: the model's buffers (BatchNorm statistics), the RNG
+    streams and the gradients are as they were afterwards."""
+    device = steps.precision.device
+    saved = [b.detach().clone() for b in steps.model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        steps.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, value in zip(steps.model.buffers(), saved, strict=True):
+                buffer.copy_(value)
+
+
+def forward_backward(
+    steps: Steps, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0, scaler: torch.amp.GradScaler | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward and backward pass of the task's loss times `weight` (scaled by `scaler`
+    for fp16); gradients are added. Returns the weighted loss and the logits, detached."""
+    with autocast(steps.precision):
+        logits = steps.net(steps.inputs(x))
+        loss = steps.task.loss(logits, y)
+    if weight != 1.0:
+        loss = loss * weight
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    return loss.detach(), logits.detach()
+
+
 def warm_up(steps: Steps, data: Examples) -> None:
     """One forward and backward per batch size the loop will see, before the clock starts
     (`fit` does it on CUDA): lazy kernel loading, cuBLAS set-up and cuDNN autotuning would
-    otherwise be timed (in a deployed node's fresh process, every round). Leaves the model's
-    buffers (BatchNorm statistics), the RNG streams and the gradients as they were."""
-    precision = steps.precision
-    saved = [b.detach().clone() for b in steps.model.buffers()]
-    with torch.random.fork_rng(devices=[precision.device] if precision.device.type == "cuda" else []):
+    otherwise be timed (in a deployed node's fresh process, every round)."""
+    with scratch(steps):
         for size in steps.batch_sizes(len(data)):
-            with autocast(precision):
-                loss = steps.task.loss(steps.net(steps.inputs(data.x[:size])), data.y[:size])
-            loss.backward()
-    steps.optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for buffer, value in zip(steps.model.buffers(), saved, strict=True):
-            buffer.copy_(value)
+            forward_backward(steps, data.x[:size], data.y[:size])
+
+
+def accumulate(
+    steps: Steps, data: Examples, idx: torch.Tensor, micro: int, scaler: torch.amp.GradScaler | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of the batch `idx` in micro-batches of `micro` examples, each loss
+    weighted by its share of the batch, so the gradients add up to the whole batch's (the task's
+    loss is a batch mean), times `steps.weight`. One micro-batch of weight 1 (the usual case)
+    is the plain step, bit for bit. Returns the batch's mean loss and its logits."""
+    chunks, weight = idx.split(micro), steps.weight
+    parts = [forward_backward(steps, data.x[c], data.y[c], weight * len(c) / len(idx), scaler) for c in chunks]
+    loss = parts[0][0] if len(parts) == 1 else torch.stack([loss for loss, _ in parts]).sum()
+    logits = parts[0][1] if len(parts) == 1 else torch.cat([logits for _, logits in parts])
+    return (loss if weight in (0.0, 1.0) else loss / weight), logits
+
+
+def smaller_micro_batch(steps: Steps, micro: int, batch: int, err: BaseException) -> int:
+    """The micro-batch to retry a batch with after `err`; re-raises what halving cannot fix."""
+    if not is_oom(err):
+        raise err
+    if not steps.splittable:
+        err.add_note(
+            "DP-SGD cannot split a batch (Opacus clips per-example gradients of the whole batch): "
+            "lower train.batch_size"
+        )
+        raise err
+    if min(micro, batch) <= 1:
+        err.add_note("out of memory with one example per micro-batch: the model does not fit this node's memory")
+        raise err
+    return min(micro, batch) // 2
 
 
 def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | None = None) -> TrainStats:
@@ -381,7 +442,8 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
     losses: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
-    taken = 0
+    taken = retries = 0
+    micro = steps.cfg.batch_size
     try:
         with kernel_settings(steps.cfg, steps.fixed_shapes), LoopClock(device) as clock:
             on_device = to_device(data, device)
@@ -394,16 +456,22 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
                 if len(idx) == 0:
                     steps.empty_step()
                     continue
-                xb, yb = steps.inputs(on_device.x[idx]), on_device.y[idx]
-                with autocast(precision):
-                    logits = steps.net(xb)
-                    loss = steps.task.loss(logits, yb)
+                while True:
+                    try:
+                        loss, logits = accumulate(steps, on_device, idx, micro, scaler)
+                        break
+                    except Exception as err:  # noqa: BLE001 - anything but out-of-memory is re-raised
+                        micro = smaller_micro_batch(steps, micro, len(idx), err)
+                    # Outside the handler, so the failed pass's tensors are gone before retrying.
+                    optimizer.zero_grad(set_to_none=True)
+                    release(device)
+                    retries += 1
+                    log.warning("out of memory on a batch of %d: retrying in micro-batches of %d", len(idx), micro)
+                yb = on_device.y[idx]
                 if scaler is None:
-                    loss.backward()
                     steps.before_step(None)
                     optimizer.step()
                 else:
-                    scaler.scale(loss).backward()
                     steps.before_step(scaler)
                     # GradScaler tells a skipped step only by lowering its scale; reading it
                     # with get_scale() would synchronise every step, so compare on the device.
@@ -411,13 +479,15 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
                     scaler.step(optimizer)
                     scaler.update()
                     skipped += scaler._scale < scale  # noqa: SLF001
-                losses.append(loss.detach())
-                outputs.append(logits.detach())
-                labels.append(yb)
+                if steps.weight > 0:  # a DDP rank's stand-in for an empty slice is not tallied
+                    losses.append(loss)
+                    outputs.append(logits)
+                    labels.append(yb)
             wall = clock.stop()
     finally:
         steps.close()
     stats = train_stats(losses, outputs, labels, len(data), wall, clock.peak_mb, taken, steps.task)
+    stats.oom_retries, stats.micro_batch_size = retries, min(micro, steps.cfg.batch_size)
     if scaler is not None:
         stats.skipped_steps, stats.scaler_state = int(skipped), scaler.state_dict()
     return stats
@@ -464,6 +534,7 @@ def train_stats(
         samples_per_s=seen / wall if wall > 0 else 0.0,
         wall_time_s=wall,
         peak_gpu_mem_mb=peak_mb,
+        examples_seen=seen,
     )
 
 
@@ -477,6 +548,7 @@ def evaluate(
     The loss accumulates on the device (batch mean x batch size, see `Task.loss`); the
     logits (N x classes, small next to the inputs) are kept and moved to the CPU once,
     where the metrics see the whole split at once (AUROC and F1 do not average over batches).
+    An out-of-memory error halves the batch (a capped client on a shared GPU).
     """
     task = task or DEFAULT_TASK
     if len(data) == 0:
@@ -487,13 +559,20 @@ def evaluate(
         on_device = to_device(data, device)
         loss_sum = torch.zeros((), device=device)
         outputs: list[torch.Tensor] = []
-        for start in range(0, len(data), batch_size):
-            xb = model_inputs(on_device.x[start : start + batch_size], precision)
-            yb = on_device.y[start : start + batch_size]
-            with autocast(precision):
-                logits = model(xb)
-            logits = logits.float()
+        start = 0
+        while start < len(data):
+            try:
+                xb = model_inputs(on_device.x[start : start + batch_size], precision)
+                yb = on_device.y[start : start + batch_size]
+                with autocast(precision):
+                    logits = model(xb).float()
+            except Exception as err:  # noqa: BLE001 - anything but out-of-memory is re-raised
+                if not is_oom(err) or batch_size == 1:
+                    raise
+                batch_size //= 2  # and the same examples again, in halves
+                continue
             loss_sum += task.loss(logits, yb).float() * len(yb)
             outputs.append(logits)
+            start += len(yb)
         loss = float(loss_sum) / len(data)
         return loss, task.metrics(torch.cat(outputs).cpu(), data.y)
