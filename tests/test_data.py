@@ -160,3 +160,28 @@ def test_hub_dataset_offline_fails_with_what_to_do(name, hf_name):
         proc.stderr
     )
     assert "HF_HUB_OFFLINE is set: offline mode" in proc.stderr and "dataset=hf_disk" in proc.stderr
+
+
+def test_a_process_builds_a_partitioner_once_and_serves_every_partition_from_it(monkeypatch):
+    """A simulation worker serves many nodes: the partitioner (seconds to build on large data)
+    is kept per labels, partition count, config and seed; other labels of the same length get
+    their own, and only the newest few are kept."""
+    import app.task.data as data_module
+
+    built = []
+    real = data_module._PARTITIONERS["iid"]
+
+    def counting(num_partitions, cfg, seed):
+        built.append(num_partitions)
+        return real(num_partitions, cfg, seed)
+
+    monkeypatch.setitem(data_module._PARTITIONERS._table, "iid", counting)
+    monkeypatch.setattr(data_module, "_BUILT", type(data_module._BUILT)({("older",): None}))
+    monkeypatch.setattr(data_module, "_KEEP", 2)
+    labels, cfg = np.arange(1000) % 10, PartitionConfig()
+    parts = [partition_indices(labels, 50, i, cfg, seed=3) for i in range(50)]
+    assert built == [50]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))  # every row in exactly one partition
+    assert partition_indices(labels.copy(), 50, 7, cfg, seed=3).tolist() == parts[7].tolist()  # same labels: kept
+    partition_indices(np.roll(labels, 1), 50, 0, cfg, seed=3)
+    assert built == [50, 50] and list(data_module._BUILT)[0] != ("older",) and len(data_module._BUILT) == 2

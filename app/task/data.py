@@ -8,8 +8,11 @@ seeded shuffle of the label column, so every node computes the same split by its
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,6 +27,7 @@ from app.config.schema import DATASETS, HUB_DATASETS, PARTITIONS, ConfigError, D
 from app.task.user_code import call, call_parameters
 
 if TYPE_CHECKING:
+    import datasets
     from flwr_datasets.partitioner import Partitioner
 
 
@@ -419,11 +423,13 @@ _PARTITIONERS: Registry[Callable[[int, PartitionConfig, int], Partitioner]] = Re
 def partition_indices(
     labels: np.ndarray, num_partitions: int, partition_id: int, cfg: PartitionConfig, seed: int
 ) -> np.ndarray:
-    """Row indices of one partition, via Flower Datasets partitioners (seeded)."""
-    import datasets
+    """Row indices of one partition, via Flower Datasets partitioners (seeded).
 
-    datasets.disable_progress_bars()
-
+    The partitioner is built once per labels, partition count, config and seed, and kept
+    (`_partitioner`): a simulation worker serves many nodes, and building it (an Arrow table
+    of every label, shuffled and flattened) costs seconds, while one more partition from a
+    built partitioner costs milliseconds.
+    """
     check_partitioning(len(labels), num_partitions, cfg)
     if not 0 <= partition_id < num_partitions:
         raise ConfigError(f"partition-id={partition_id} is invalid: must be in [0, {num_partitions})")
@@ -434,18 +440,43 @@ def partition_indices(
                 "use partition=iid, or give class labels"
             )
         labels = np.zeros(len(labels), dtype=np.int64)  # iid ignores the labels
-    table = datasets.Dataset.from_dict({"label": labels, "row": np.arange(len(labels))})
-    table = table.shuffle(seed=seed).flatten_indices()
-    partitioner = _PARTITIONERS[cfg.name](num_partitions, cfg, seed)
-    partitioner.dataset = table
     try:
-        part = partitioner.load_partition(partition_id)
+        part = _load_partition(np.ascontiguousarray(labels), num_partitions, partition_id, cfg, seed)
     except ValueError as err:
         raise ConfigError(
             f"partition.alpha={cfg.alpha} / partition.min_partition_size="
             f"{cfg.min_partition_size} cannot be met with {num_partitions} partitions: {err}"
         ) from err
     return np.sort(np.asarray(part["row"], dtype=np.int64))
+
+
+_BUILT: OrderedDict[tuple, Partitioner] = OrderedDict()  # the few partitioners of this process, newest last
+_BUILT_LOCK = threading.Lock()  # the in-process grid's nodes are threads
+_KEEP = 4
+
+
+def _load_partition(
+    labels: np.ndarray, num_partitions: int, partition_id: int, cfg: PartitionConfig, seed: int
+) -> datasets.Dataset:
+    """One partition from a Flower Datasets partitioner over a seeded shuffle of `labels`, built
+    once per labels (by digest), partition count, config and seed (the last `_KEEP` are kept).
+    Under the lock: partitioners compute their split lazily, at the first partition asked for."""
+    digest = hashlib.blake2b(labels.view(np.uint8), digest_size=16).hexdigest()
+    key = (digest, labels.dtype.str, len(labels), num_partitions, cfg, seed)
+    with _BUILT_LOCK:
+        if key in _BUILT:
+            _BUILT.move_to_end(key)
+            return _BUILT[key].load_partition(partition_id)
+        import datasets
+
+        datasets.disable_progress_bars()
+        table = datasets.Dataset.from_dict({"label": labels, "row": np.arange(len(labels))})
+        partitioner = _PARTITIONERS[cfg.name](num_partitions, cfg, seed)
+        partitioner.dataset = table.shuffle(seed=seed).flatten_indices()
+        _BUILT[key] = partitioner
+        while len(_BUILT) > _KEEP:
+            _BUILT.popitem(last=False)
+        return partitioner.load_partition(partition_id)
 
 
 def materialize(source: Source, idx: np.ndarray | None = None) -> Examples:
