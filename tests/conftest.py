@@ -35,6 +35,7 @@ SLOW_MODULES: dict[str, str] = {
     "test_flwr_cli": "`flwr run` through the local simulation SuperLink",
     "test_superlink_loopback": "a SuperLink, SuperNodes and the flwr CLI on loopback (deployment path)",
     "test_gpu_smoke": "scripts/gpu_smoke.py --quick --device cpu in a subprocess (~30 s)",
+    "test_gpu_check": "bench/gpu_check.py --quick --device cpu, and a ClientApp process it starts (~25 s)",
 }
 
 # Modules that mix fast and slow tests: the slow ones, by test function name (every
@@ -56,6 +57,10 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_torchvision_example_learns_the_digits",
     },
     "test_own_task": {"test_a_custom_task_composes_with_the_rest"},  # seven federations
+    "test_distributed": {  # two spawned DDP worker processes per task
+        "test_two_gloo_ranks_train_the_model_one_process_trains_with_the_same_batch",
+        "test_a_rank_that_dies_fails_the_task_by_name_and_the_next_task_trains",
+    },
 }
 
 

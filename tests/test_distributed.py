@@ -51,7 +51,6 @@ def _work(cfg: TrainConfig, model: ModelConfig | None = None) -> Work:
     return Work(model or ModelConfig(), DIGITS, TaskConfig(), cfg, CPU, seed=5, scaler_state=None)
 
 
-@pytest.mark.slow
 def test_two_gloo_ranks_train_the_model_one_process_trains_with_the_same_batch(digits):
     # 100 examples in batches of 30: 30, 30, 30, 10 — ranks get 15 or 5 each; weights keep it exact
     cfg = TrainConfig(epochs=2, batch_size=30, lr=0.05)
@@ -67,7 +66,6 @@ def test_two_gloo_ranks_train_the_model_one_process_trains_with_the_same_batch(d
     assert stats.loss == pytest.approx(expected.loss, rel=1e-4) and stats.accuracy == pytest.approx(expected.accuracy)
 
 
-@pytest.mark.slow
 def test_a_rank_that_dies_fails_the_task_by_name_and_the_next_task_trains(digits, monkeypatch):
     cfg = TrainConfig(epochs=1, batch_size=20)
     dying = ModelConfig(name="custom", target=f"{__name__}.dies_on_rank")

@@ -7,8 +7,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import ROOT
 
 CHECKS = (
@@ -22,7 +20,6 @@ CHECKS = (
 )
 
 
-@pytest.mark.slow
 def test_gpu_check_on_the_cpu_runs_a_client_and_says_why_it_skipped_the_rest(tmp_path):
     out = tmp_path / "check"
     proc = subprocess.run(
