@@ -57,10 +57,7 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_torchvision_example_learns_the_digits",
     },
     "test_own_task": {"test_a_custom_task_composes_with_the_rest"},  # seven federations
-    "test_distributed": {  # two spawned DDP worker processes per task
-        "test_two_gloo_ranks_train_the_model_one_process_trains_with_the_same_batch",
-        "test_a_rank_that_dies_fails_the_task_by_name_and_the_next_task_trains",
-    },
+    "test_distributed": {"test_two_gloo_ranks_equal_one_process_and_a_rank_that_dies_fails_only_its_task"},
 }
 
 

@@ -51,35 +51,31 @@ def _work(cfg: TrainConfig, model: ModelConfig | None = None) -> Work:
     return Work(model or ModelConfig(), DIGITS, TaskConfig(), cfg, CPU, seed=5, scaler_state=None)
 
 
-def test_two_gloo_ranks_train_the_model_one_process_trains_with_the_same_batch(digits):
-    # 100 examples in batches of 30: 30, 30, 30, 10 — ranks get 15 or 5 each; weights keep it exact
+def test_two_gloo_ranks_equal_one_process_and_a_rank_that_dies_fails_only_its_task(digits, monkeypatch):
+    """A rank killed mid-task fails that task by name, with nothing half-trained coming back;
+    the node's next task trains on two ranks and equals one process with the same global
+    batch: 100 examples in batches of 30 (30, 30, 30, 10), slices of 15 or 5 per rank, their
+    losses weighted so that the ranks' mean gradient is the batch's."""
     cfg = TrainConfig(epochs=2, batch_size=30, lr=0.05)
-    torch.manual_seed(0)
-    single = build_model(ModelConfig(), DIGITS)
-    ddp = build_model(ModelConfig(), DIGITS)
-    ddp.load_state_dict(single.state_dict())
-    expected = train(single, digits, cfg, CPU, seed=5)
-    stats = train_on_devices(ddp, digits, _work(cfg), local_devices(2, torch.device("cpu")))
-    for key, value in single.state_dict().items():  # the mean gradient summed in another order
-        torch.testing.assert_close(ddp.state_dict()[key], value, rtol=1e-4, atol=1e-5)
-    assert (stats.steps, stats.num_examples, stats.examples_seen) == (expected.steps, 100, expected.examples_seen)
-    assert stats.loss == pytest.approx(expected.loss, rel=1e-4) and stats.accuracy == pytest.approx(expected.accuracy)
-
-
-def test_a_rank_that_dies_fails_the_task_by_name_and_the_next_task_trains(digits, monkeypatch):
-    cfg = TrainConfig(epochs=1, batch_size=20)
     dying = ModelConfig(name="custom", target=f"{__name__}.dies_on_rank")
-    model = dies_on_rank()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    ddp, single = dies_on_rank(), dies_on_rank()
+    single.load_state_dict(ddp.state_dict())
+    before = {k: v.clone() for k, v in ddp.state_dict().items()}
+    two = local_devices(2, torch.device("cpu"))
     monkeypatch.setenv(KILL, "1")
     with pytest.raises(
         RuntimeError, match=r"local DDP training failed on rank 1 of 2 \(cpu\).*other ranks were stopped"
     ):
-        train_on_devices(model, digits, _work(cfg, dying), local_devices(2, torch.device("cpu")))
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing half-trained came back
+        train_on_devices(ddp, digits, _work(cfg, dying), two)
+    assert all(torch.equal(v, before[k]) for k, v in ddp.state_dict().items())
     monkeypatch.delenv(KILL)
-    stats = train_on_devices(model, digits, _work(cfg, dying), local_devices(2, torch.device("cpu")))
-    assert stats.steps == 5 and not all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    stats = train_on_devices(ddp, digits, _work(cfg, dying), two)
+    expected = train(single, digits, cfg, CPU, seed=5)
+    for key, value in single.state_dict().items():  # the mean gradient summed in another order
+        torch.testing.assert_close(ddp.state_dict()[key], value, rtol=1e-4, atol=1e-5)
+    assert (stats.steps, stats.num_examples, stats.examples_seen) == (expected.steps, 100, expected.examples_seen)
+    assert stats.loss == pytest.approx(expected.loss, rel=1e-4) and stats.accuracy == pytest.approx(expected.accuracy)
 
 
 def test_local_devices_resolve_to_visible_devices(monkeypatch):
