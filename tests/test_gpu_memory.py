@@ -143,10 +143,14 @@ def test_other_errors_and_unsplittable_steps_are_not_retried():
     steps = Steps(torch.nn.Linear(2, 2), TrainConfig(), CPU, torch.Generator())
     with pytest.raises(ValueError, match="not memory"):
         smaller_micro_batch(steps, 32, 32, ValueError("not memory"))
-    steps.splittable = False  # as DP-SGD's steps
+    from app.privacy.dp_sgd import DpSgdSteps
+    from app.task.distributed import DdpSteps
+
+    assert "DP-SGD" in DpSgdSteps.unsplittable and "DDP" in DdpSteps.unsplittable and Steps.unsplittable is None
+    steps.unsplittable = "DP-SGD cannot split a batch"  # as DP-SGD's and local DDP's steps
     with pytest.raises(torch.OutOfMemoryError) as caught:
         smaller_micro_batch(steps, 32, 32, torch.OutOfMemoryError("CUDA out of memory"))
-    assert "lower train.batch_size" in "".join(caught.value.__notes__)
+    assert "DP-SGD cannot split a batch: lower train.batch_size" in "".join(caught.value.__notes__)
     assert (
         smaller_micro_batch(
             Steps(torch.nn.Linear(2, 2), TrainConfig(), CPU, torch.Generator()),

@@ -240,7 +240,7 @@ class DpSgdSteps(Steps):
     hooks assume (loss_reduction="mean") when they scale the per-example gradients.
     """
 
-    splittable = False  # clipping needs every per-example gradient of the batch at once
+    unsplittable = "DP-SGD cannot split a batch (Opacus clips the per-example gradients of the whole batch)"
 
     def __init__(
         self,

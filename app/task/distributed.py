@@ -71,7 +71,9 @@ class DdpSteps(Steps):
     averages the ranks' gradients). A rank whose slice is empty (a global batch smaller than
     the world) runs one example at weight 0, as every rank must join each gradient all-reduce."""
 
-    splittable = False  # ranks halving on their own would call all-reduce a different number of times
+    unsplittable = (
+        "local DDP cannot split a batch (ranks halving on their own would disagree on the number of all-reduces)"
+    )
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, precision: Precision, seed: int, task: Task) -> None:
         super().__init__(model, cfg, precision, torch.Generator().manual_seed(seed), task)

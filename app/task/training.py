@@ -309,7 +309,8 @@ class Steps:
     """
 
     fixed_shapes = True  # batches have at most two sizes (full, last): worth autotuning
-    splittable = True  # a batch may run as micro-batches whose gradients add up to the batch's
+    # Why a batch may not run as micro-batches after an out-of-memory error (None: it may).
+    unsplittable: str | None = None
     # The loss weight of the batch `batches` yielded last: 1 here; local DDP ranks weight their
     # slice of a global batch so that the ranks' mean gradient is the global batch's.
     weight = 1.0
@@ -413,11 +414,8 @@ def smaller_micro_batch(steps: Steps, micro: int, batch: int, err: BaseException
     """The micro-batch to retry a batch with after `err`; re-raises what halving cannot fix."""
     if not is_oom(err):
         raise err
-    if not steps.splittable:
-        err.add_note(
-            "DP-SGD cannot split a batch (Opacus clips per-example gradients of the whole batch): "
-            "lower train.batch_size"
-        )
+    if steps.unsplittable:
+        err.add_note(f"{steps.unsplittable}: lower train.batch_size")
         raise err
     if min(micro, batch) <= 1:
         err.add_note("out of memory with one example per micro-batch: the model does not fit this node's memory")
@@ -570,6 +568,7 @@ def evaluate(
                 if not is_oom(err) or batch_size == 1:
                     raise
                 batch_size //= 2  # and the same examples again, in halves
+                release(device)
                 continue
             loss_sum += task.loss(logits, yb).float() * len(yb)
             outputs.append(logits)
