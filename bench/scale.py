@@ -133,6 +133,7 @@ def run_federation(name: str, nodes: int, cohort: int, rounds: int, fed: str, da
         f"federation.min_available_nodes={nodes}",
         "tracking.tensorboard=false",
         f'name="{name}"',
+        "resume=auto",  # the run directory is the job's, which already holds flwr.log (as in app/tools/sweep.py)
     ]
     homes = root / "homes"
     homes.mkdir(exist_ok=True)
