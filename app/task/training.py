@@ -397,30 +397,33 @@ def warm_up(steps: Steps, data: Examples) -> None:
 
 
 def accumulate(
-    steps: Steps, data: Examples, idx: torch.Tensor, micro: int, scaler: torch.amp.GradScaler | None
+    steps: Steps, data: Examples, idx: torch.Tensor, micro: int | None, scaler: torch.amp.GradScaler | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of the batch `idx` in micro-batches of `micro` examples, each loss
+    """Forward and backward of the batch `idx` in micro-batches of `micro` examples (None: the
+    whole batch at once, as before any out-of-memory error), each loss
     weighted by its share of the batch, so the gradients add up to the whole batch's (the task's
     loss is a batch mean), times `steps.weight`. One micro-batch of weight 1 (the usual case)
     is the plain step, bit for bit. Returns the batch's mean loss and its logits."""
-    chunks, weight = idx.split(micro), steps.weight
+    chunks, weight = (idx,) if micro is None else idx.split(micro), steps.weight
     parts = [forward_backward(steps, data.x[c], data.y[c], weight * len(c) / len(idx), scaler) for c in chunks]
     loss = parts[0][0] if len(parts) == 1 else torch.stack([loss for loss, _ in parts]).sum()
     logits = parts[0][1] if len(parts) == 1 else torch.cat([logits for _, logits in parts])
     return (loss if weight in (0.0, 1.0) else loss / weight), logits
 
 
-def smaller_micro_batch(steps: Steps, micro: int, batch: int, err: BaseException) -> int:
-    """The micro-batch to retry a batch with after `err`; re-raises what halving cannot fix."""
+def smaller_micro_batch(steps: Steps, micro: int | None, batch: int, err: BaseException) -> int:
+    """The micro-batch to retry a batch of `batch` examples with after `err` (`micro`: the
+    current one, None for whole batches); re-raises what halving cannot fix."""
+    current = batch if micro is None else min(micro, batch)
     if not is_oom(err):
         raise err
     if steps.unsplittable:
         err.add_note(f"{steps.unsplittable}: lower train.batch_size")
         raise err
-    if min(micro, batch) <= 1:
+    if current <= 1:
         err.add_note("out of memory with one example per micro-batch: the model does not fit this node's memory")
         raise err
-    return min(micro, batch) // 2
+    return current // 2
 
 
 def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | None = None) -> TrainStats:
@@ -441,7 +444,7 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
     outputs: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
     taken = retries = 0
-    micro = steps.cfg.batch_size
+    micro: int | None = None  # None: each batch whole (DP-SGD's Poisson batches vary around the batch size)
     try:
         with kernel_settings(steps.cfg, steps.fixed_shapes), LoopClock(device) as clock:
             on_device = to_device(data, device)
@@ -485,7 +488,7 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
     finally:
         steps.close()
     stats = train_stats(losses, outputs, labels, len(data), wall, clock.peak_mb, taken, steps.task)
-    stats.oom_retries, stats.micro_batch_size = retries, min(micro, steps.cfg.batch_size)
+    stats.oom_retries, stats.micro_batch_size = retries, steps.cfg.batch_size if micro is None else micro
     if scaler is not None:
         stats.skipped_steps, stats.scaler_state = int(skipped), scaler.state_dict()
     return stats
