@@ -7,7 +7,7 @@ clean FedAvg; averaged over seeds, since one seed's last round can be an outlier
 loop and ClientApp through the in-process grid (`app/tools/in_process.py`): the same
 code as under `flwr run`, without the SuperLink's start-up cost per run.
 
-    python bench/byzantine_experiment.py                  # 90 runs, about 20 min on 2 cores
+    python bench/byzantine_experiment.py                  # 90 runs, about 40 min on 2 cores
     python bench/byzantine_experiment.py --rounds 10 --attacks none sign_flip
     python bench/byzantine_experiment.py --merge --strategies multikrum   # re-run one column
 
