@@ -245,7 +245,8 @@ def test_init_weights_start_the_federation_and_resume_keeps_the_frozen_part(tmp_
 
 # --- a custom task with the rest of the app (docs/testing.md#your-own-task) --------------------
 
-MATRIX = CUSTOM + " task.metrics=[auroc,accuracy] train.epochs=1"
+# Three rounds of one epoch: a bolder step than the default recipe's lr 0.02, so they learn.
+MATRIX = CUSTOM + " task.metrics=[auroc,accuracy] train.epochs=1 train.lr=0.05"
 
 
 @pytest.mark.parametrize(
