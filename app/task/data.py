@@ -440,6 +440,7 @@ def partition_indices(
                 "use partition=iid, or give class labels"
             )
         labels = np.zeros(len(labels), dtype=np.int64)  # iid ignores the labels
+    _PARTITIONERS[cfg.name]  # an unknown name is refused here, not taken for an unmet constraint below
     try:
         part = _load_partition(np.ascontiguousarray(labels), num_partitions, partition_id, cfg, seed)
     except ValueError as err:
