@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from app.config.schema import ModelConfig, TrainConfig
 from app.task.data import Examples
-from app.task.gpu_memory import DEFAULT_CONTEXT_BYTES, MemoryCap, is_oom, release
+from app.task.gpu_memory import MemoryCap, is_oom, outside_allocator, release
 from app.task.training import Steps, forward_backward, scratch
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -57,10 +57,11 @@ def optimizer_state_bytes(steps: Steps) -> int:
 
 
 def memory_limit(device: torch.device, cap: MemoryCap | None) -> int:
-    """Bytes the loop may use: the cap, or the device's total less the CUDA context."""
+    """Bytes the loop may use: the cap, or the device's total less what the process holds
+    outside PyTorch's allocator (as the cap counts it)."""
     if cap is not None:
         return cap.limit_bytes
-    return torch.cuda.get_device_properties(device).total_memory - DEFAULT_CONTEXT_BYTES
+    return torch.cuda.get_device_properties(device).total_memory - outside_allocator(device)
 
 
 def probe(steps: Steps, data: Examples, limit_bytes: int) -> int:
