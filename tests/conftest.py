@@ -81,6 +81,13 @@ def _check_listed(items: list[pytest.Item]) -> None:
         )
 
 
+# CI runs the suite on two pytest-xdist workers (.ci/run: `-n 2 --dist loadgroup`). These
+# modules mostly wait (heartbeats, back-off, process start-up) and their timeouts assume one
+# federation at a time: they run in order on one worker, first, while the other worker takes
+# everything else.
+SERIAL_FIRST = ("test_superlink_loopback",)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _check_listed(items)
@@ -90,6 +97,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         by_name = getattr(item, "originalname", item.name) in listed  # every parametrization
         if name in SLOW_MODULES or by_name or listed & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if name in SERIAL_FIRST:
+            item.add_marker(pytest.mark.xdist_group("serial-first"))
+    items.sort(key=lambda item: _module_name(item) not in SERIAL_FIRST)  # stable: otherwise in file order
 
 
 @pytest.fixture
