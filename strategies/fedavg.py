@@ -15,7 +15,7 @@ sum is always finite.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,9 +171,10 @@ class FedAvg(Strategy):
     # model, and neither they nor their replies' copies are aggregated (clients send only the rest).
     frozen: ArrayRecord | None = None
 
-    # Per-node training config (node id -> keys merged into that node's copy of the ConfigRecord):
-    # set by app.run.federation for local DP, whose accountant history each node gets only its own of.
-    node_config: Callable[[int], dict[str, Any]] | None = None
+    # Per-node training config ((node id, the connected node ids) -> keys merged into that node's
+    # copy of the ConfigRecord): set by app.run.federation for local DP, whose accountant history
+    # each node gets only its own of. The connected ids are read once a round, not once a node.
+    node_config: Callable[[int, Collection[int]], dict[str, Any]] | None = None
 
     def _messages(
         self,
@@ -190,9 +191,11 @@ class FedAvg(Strategy):
         node_ids = self.select_nodes(grid, fraction, minimum, kind)
         config[SERVER_ROUND] = server_round
         content = task_content(arrays, config, self.frozen)
+        per_node = self.node_config if kind == MessageType.TRAIN else None
+        connected = set(grid.get_node_ids()) if per_node is not None else set()
 
         def content_for(node: int) -> RecordDict:
-            extra = self.node_config(node) if self.node_config is not None and kind == MessageType.TRAIN else {}
+            extra = per_node(node, connected) if per_node is not None else {}
             return task_content(arrays, ConfigRecord({**config, **extra}), self.frozen) if extra else content
 
         return [

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,7 +137,7 @@ class FedBuff(Strategy):
         Where the buffer is aggregated.
     """
 
-    node_config: Callable[[int], dict[str, Any]] | None = None  # per-node training config, as FedAvg's
+    node_config: Callable[[int, Collection[int]], dict[str, Any]] | None = None  # per-node training config, as FedAvg's
 
     def __init__(
         self,
@@ -267,13 +267,14 @@ class FedBuff(Strategy):
         (`task`), so a node that trains twice on one version still draws new batches.
         """
         busy = {t.node_id for t in self.in_flight.values()} | self.held_nodes()
-        idle = [n for n in grid.get_node_ids() if n not in busy]
+        connected = list(grid.get_node_ids())
+        idle = [n for n in connected if n not in busy]
         limit = self.concurrency or len(idle) + len(busy)
         free = min(len(idle), limit - len(self.in_flight))
         messages = []
         for node in random.sample(idle, free) if free > 0 else []:
             self.tasks_sent += 1
-            extra = self.node_config(node) if self.node_config is not None else {}  # as FedAvg.node_config
+            extra = self.node_config(node, connected) if self.node_config is not None else {}  # as FedAvg.node_config
             cfg = ConfigRecord({**config, SERVER_ROUND: server_round, TASK: self.tasks_sent, **extra})
             content = task_content(arrays, cfg, self.frozen)
             messages.append(

@@ -19,14 +19,23 @@ gone (a renamed test must not silently become fast or stay slow by accident).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from app.simulation.local_grid import act_as_server
 
 act_as_server()
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch thread per xdist worker, in this process and in the Flower processes it starts:
+    # two workers with a thread per core each on a 2-core machine spin against each other in
+    # OpenMP (tests/test_attacks.py's inflated-count federation: 964 s in such a CI run, 72 s alone).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,6 +45,7 @@ SLOW_MODULES: dict[str, str] = {
     "test_superlink_loopback": "a SuperLink, SuperNodes and the flwr CLI on loopback (deployment path)",
     "test_gpu_smoke": "scripts/gpu_smoke.py --quick --device cpu in a subprocess (~30 s)",
     "test_gpu_check": "bench/gpu_check.py --quick --device cpu, and a ClientApp process it starts (~25 s)",
+    "test_scale": "two federations of 100 and 1000 nodes, each in its own process",
 }
 
 # Modules that mix fast and slow tests: the slow ones, by test function name (every

@@ -223,3 +223,38 @@ def test_krum_keeps_training_under_attack_and_logs_its_choices(tmp_path):
         malicious_node = next(n for n, p in row["node_partitions"].items() if p in bad)
         assert int(malicious_node) not in robust["selected"]
     assert summary["final_accuracy"] > 0.6  # FedAvg under this attack ends near chance (0.1)
+
+
+class _TrickleGrid:
+    """Replies to one pushed message per pull, in reverse order; `silent` ids never reply."""
+
+    def __init__(self, silent: int = 0) -> None:
+        self.silent, self.pulls, self.waiting = silent, 0, []
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN202
+        ids = [f"m{i}" for i, _ in enumerate(messages)]
+        self.waiting = ids[self.silent :]
+        return ids
+
+    def pull_messages(self, ids):  # noqa: ANN001, ANN202
+        self.pulls += 1
+        assert set(self.waiting) <= set(ids), "an unanswered id was dropped from the pull"
+        if not self.waiting:
+            return []
+        reply = Message(RecordDict(), dst_node_id=1, message_type="train")
+        reply.metadata.__dict__["_reply_to_message_id"] = self.waiting.pop()
+        return [reply]
+
+
+def test_send_and_receive_collects_every_reply_and_stops_at_the_timeout():
+    from app.run.federation import send_and_receive
+
+    grid = _TrickleGrid()
+    replies = send_and_receive(grid, [object()] * 4, timeout=None)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2", "m3"]
+    assert grid.pulls == 4  # no pull after the last reply
+
+    grid = _TrickleGrid(silent=1)  # m0 never answers: the deadline ends the wait with the rest
+    replies = send_and_receive(grid, [object()] * 3, timeout=0.5)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m1", "m2"]
+    assert send_and_receive(_TrickleGrid(), [], timeout=None) == []

@@ -198,12 +198,12 @@ def test_frozen_parameters_never_leave_the_node_and_stay_bit_identical(tmp_path)
     from app.simulation.local_grid import InProcessGrid
 
     class Grid(InProcessGrid):
-        def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN202
+        def push_messages(self, messages):  # noqa: ANN001, ANN202
             messages = list(messages)
             for m in messages:
                 frozen = list(m.content[FROZEN].keys()) if FROZEN in m.content else []
                 sent.append((list(m.content[ARRAYS].keys()), frozen))
-            return super().send_and_receive(messages, timeout=timeout)
+            return super().push_messages(messages)
 
     overrides = CUSTOM + " model.trainable=[head] federation.rounds=2 train.epochs=1 name=ft"
     grid = Grid(client_app, 3, tamper=watch)

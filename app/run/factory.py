@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import MessageType, MetricRecord
-from flwr.serverapp import Grid
 
 from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
 from app.protocol import PARTITION_ID
@@ -165,13 +164,13 @@ def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> Non
 
 
 def run_privacy(
-    cfg: Config, strategy: FedAvg | FedBuff, partitions: PartitionBinding, grid: Grid, state: dict[str, Any]
+    cfg: Config, strategy: FedAvg | FedBuff, partitions: PartitionBinding, state: dict[str, Any]
 ) -> RunPrivacy:
     """The run's privacy book-keeping for `privacy.name`; local DP also gives the strategy each
     node's own accountant history to send (`strategy.node_config`)."""
     p = cfg.privacy
     if p.name == "local":
-        local = LocalPrivacy(p, partitions, grid, state.get("local_dp"))
+        local = LocalPrivacy(p, partitions, state.get("local_dp"))
         strategy.node_config = local.prior
         return local
     dp: CentralDP | None = getattr(strategy, "dp", None)

@@ -8,10 +8,10 @@ themselves live in strategies/central_dp.py (central) and app/privacy/ (local DP
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from flwr.app import MetricRecord
-from flwr.serverapp import Grid
 
 from app.config.schema import PrivacyConfig
 from app.privacy.accounting import HistoryLedger, MalformedHistory, history_key
@@ -84,16 +84,15 @@ class LocalPrivacy(NoPrivacy):
 
     drain = True  # FedBuff waits for the tasks in flight: their steps are spent either way
 
-    def __init__(
-        self, cfg: PrivacyConfig, partitions: PartitionBinding, grid: Grid, state: dict[str, Any] | None
-    ) -> None:
-        self.cfg, self.partitions, self.grid = cfg, partitions, grid
+    def __init__(self, cfg: PrivacyConfig, partitions: PartitionBinding, state: dict[str, Any] | None) -> None:
+        self.cfg, self.partitions = cfg, partitions
         self.ledger = HistoryLedger(cfg.delta, state)
         self.rejections: list[dict[str, Any]] = []  # refused histories since the last row
 
-    def prior(self, node_id: int) -> dict[str, str]:
-        """What a training message to `node_id` adds to its config (the strategy's node_config)."""
-        partition, connected = self.partitions.partition_of(node_id), set(self.grid.get_node_ids())
+    def prior(self, node_id: int, connected: Collection[int]) -> dict[str, str]:
+        """What a training message to `node_id` adds to its config (the strategy's node_config;
+        `connected`: the node ids connected now, read once for the whole cohort)."""
+        partition = self.partitions.partition_of(node_id)
         return self.ledger.prior(node_id, partition, self.partitions.unbound(), connected)
 
     def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
