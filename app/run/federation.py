@@ -67,7 +67,8 @@ def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> No
 def send_and_receive(
     grid: Grid, messages: Iterable[Message], timeout: float | None, max_poll_s: float = 0.2
 ) -> list[Message]:
-    """Push `messages` and pull their replies until all are in or `timeout` passes.
+    """Push `messages` and pull their replies until all are in or `timeout` passes; the
+    replies in the order their messages were sent.
 
     Flower's own `Grid.send_and_receive` under `flwr run` (HttpGrid) polls every 3 s: a round
     whose replies arrive after 0.9 s ends at 3 s, which at small tasks was most of a round
@@ -75,19 +76,23 @@ def send_and_receive(
     doubles up to `max_poll_s`, so a round ends within a few polls of its last reply while a
     long round costs the SuperLink a handful of requests a second.
     """
-    pending = set(grid.push_messages(messages))
+    order = {mid: i for i, mid in enumerate(grid.push_messages(messages))}
+    pending = dict(order)
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[Message] = []
     interval = 0.01
     while pending:
         got = list(grid.pull_messages(list(pending)))
         replies += got
-        pending -= {m.metadata.reply_to_message_id for m in got}
+        for reply in got:
+            pending.pop(reply.metadata.reply_to_message_id, None)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
         interval = min(2 * interval, max_poll_s)
-    return replies
+    # In the order sent, not the order of arrival: the aggregate's floating-point sum, and so
+    # the run, is then the same however the replies were timed.
+    return sorted(replies, key=lambda m: order.get(m.metadata.reply_to_message_id, len(order)))
 
 
 def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float) -> list[int]:
