@@ -146,7 +146,7 @@ def run_federation(name: str, nodes: int, cohort: int, rounds: int, fed: str, da
     peak = memory.stop()
     if result["error"]:
         raise RuntimeError(f"{name}: {result['error']}")
-    rows = read_rows(job / "metrics.jsonl")
+    rows = read_rows(job)
     later = rows[1:] or rows
     round_s = statistics.median(r["round_time_s"] for r in later)
     examples = statistics.median(r["train"]["num-examples"] for r in later)
