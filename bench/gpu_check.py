@@ -19,7 +19,7 @@ What it runs, on the GPU, each check on its own (one failure does not stop the r
 
 Writes DIR/gpu_check.json ({"machine", "device", "checks": {name: {"verdict", "why", ...}}})
 and a table on stdout; exit status 1 when a check failed. The figures go to
-docs/benchmarks.md ("GPU check: shared and multiplied GPUs"). The harness (verdicts,
+docs/benchmarks.md ("GPU check (many clients per GPU)"). The harness (verdicts,
 machine info, the table) is scripts/gpu_smoke.py's.
 """
 

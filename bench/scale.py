@@ -2,8 +2,8 @@
 PyTorch loop, and peak memory, at 10, 100 and 1000 SuperNodes (`nodes`) and with 1, 2, 4, 8
 ClientApps sharing one device (`packing`).
 
-    python bench/scale.py nodes                  # 10, 100 and 1000 nodes, cohort 10, 4 rounds each (~15 min, 2 cores)
-    python bench/scale.py nodes --nodes 100 1000 --rounds 3 --json out.json
+    python bench/scale.py nodes                  # 10, 100 and 1000 nodes, cohort 10, 4 rounds each (10 nodes: ~7 min a round on 2 cores)
+    python bench/scale.py nodes --nodes 100 1000 --rounds 3 --json out.json   # ~5 min on 2 cores
     python bench/scale.py packing                # GPU: 1, 2, 4, 8 clients per GPU; CPU: per CPU set
     python bench/scale.py packing --per-device 1 2 --train-images 8000
 
