@@ -30,9 +30,9 @@ def context_for(partition_id: int, num_partitions: int, node_config: dict | None
     )
 
 
-def load_script(name: str) -> ModuleType:
-    """A module from scripts/ (not a package: the scripts run as files)."""
-    path = ROOT / "scripts" / f"{name}.py"
+def load_script(name: str, folder: str = "scripts") -> ModuleType:
+    """A module from scripts/ or bench/ (not packages: the scripts run as files)."""
+    path = ROOT / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,13 +52,8 @@ def _federation(data: Path, root: Path, nodes: int) -> dict:
 
 
 def test_a_thousand_nodes_train_three_rounds_of_ten_in_bounded_memory(tmp_path: Path) -> None:
-    rng = np.random.default_rng(0)
-    images = lambda n: rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)  # noqa: E731
     data = tmp_path / "data.npz"
-    # 32,000 training images: 1000 nodes hold about 29 each (bench/scale.py's data set).
-    np.savez(
-        data, x=images(32_000), y=rng.integers(0, 10, 32_000), x_test=images(2_000), y_test=rng.integers(0, 10, 2_000)
-    )
+    load_script("scale", "bench").write_data(data, 32_000)  # bench/scale.py's data: 1000 nodes hold ~29 images each
 
     # The same cohort of 10 and the same data: 100 nodes of ~290 examples, then 1000 of ~29.
     small = _federation(data, tmp_path / "hundred", 100)
