@@ -36,7 +36,7 @@ from app.tools.compare_runs import draw_curves, read_curve  # noqa: E402
 from app.tools.in_process import run_in_process  # noqa: E402
 
 SETTINGS = {"3 nodes 5x slower": "stragglers=fixed", "lognormal sigma=1": "stragglers=lognormal stragglers.sigma=1.0"}
-FEDBUFF = "strategy=fedbuff strategy.eval_every=2 federation.rounds=100000"
+FEDBUFF = "strategy=fedbuff federation.eval_every=2 federation.rounds=100000"
 
 
 def run(overrides: str, root: Path, nodes: int) -> dict:

@@ -130,6 +130,22 @@ def plot(results: list[dict], attacks: list[str], strategies: list[str], path: P
     fig.savefig(path, dpi=100)
 
 
+def save(args: argparse.Namespace, results: list[dict]) -> list[dict]:
+    """Write `results` to --json (with --merge: and the file's runs that `results` does not
+    redo, read now, as another merge may have written meanwhile); returns all written."""
+    if args.merge:
+        old = json.loads(args.json.read_text())["results"]
+        redone = {(r["strategy"], r["attack"], r["seed"]) for r in results}
+        results = results + [r for r in old if (r["strategy"], r["attack"], r["seed"]) not in redone]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.json.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps({"rounds": args.rounds, "nodes": args.nodes, "seeds": args.seeds, "results": results}, indent=1)
+    )
+    tmp.replace(args.json)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
@@ -154,30 +170,26 @@ def main() -> None:
             for s in args.strategies
         ]
         started = time.time()
-        results = []
+        results: list[dict] = []
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             for result in pool.map(run_one, jobs):
                 results.append(result)
                 print(
                     f"seed {result['seed']} {result['attack']:>10} {result['strategy']:>12}: "
-                    f"{100 * result['final_accuracy']:5.1f}% ({result['seconds']:.0f} s)",
+                    f"{100 * result['final_accuracy']:5.1f}% ({result['seconds']:.0f} s, "
+                    f"{len(results)}/{len(jobs)} done)",
                     flush=True,
                 )
+                save(args, results)  # every finished run is kept, should the grid be stopped
     print(
         f"\n{len(results)} runs, {args.nodes} nodes, {args.rounds} rounds, seeds {args.seeds}, {time.time() - started:.0f} s"
     )
-    if args.merge:  # read now, not at the start: another merge may have written meanwhile
-        old = json.loads(args.json.read_text())["results"]
-        results += [r for r in old if not (r["strategy"] in args.strategies and r["attack"] in args.attacks)]
+    results = save(args, results)
     cells = by_cell(results)
     attacks = [a for a in ATTACKS if any(k[1] == a for k in cells)]
     strategies = [s for s in STRATEGIES if any(k[0] == s for k in cells)]
     print("final test accuracy (%): mean over seeds (lowest seed)\n")
     print(markdown_table(results, attacks, strategies))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps({"rounds": args.rounds, "nodes": args.nodes, "seeds": args.seeds, "results": results}, indent=1)
-    )
     plot(results, attacks, strategies, args.plot)
     print(f"\nwrote {args.json} and {args.plot}")
 

@@ -45,7 +45,7 @@ def test_a_slow_nodes_stale_updates_are_discarded_or_down_weighted_as_configured
             return reply
 
     summary, grid = run_in_process(
-        FAST + f"strategy.buffer_size=1 strategy.max_staleness={max_staleness} strategy.eval_every=20 "
+        FAST + f"strategy.buffer_size=1 strategy.max_staleness={max_staleness} federation.eval_every=20 "
         "federation.rounds=40",
         tmp_path,
         nodes=4,

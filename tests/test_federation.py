@@ -140,6 +140,14 @@ def test_round_without_valid_replies_keeps_the_model(tmp_path):
     assert rows[0]["accuracy"] == rows[1]["accuracy"]  # the initial model, unchanged
 
 
+def test_central_evaluation_every_n_rounds_and_always_the_last(tmp_path):
+    summary = run_in_process(FAST.format(rounds=3) + " federation.eval_every=2", tmp_path)[0]
+    rows = read_rows(summary["run_dir"])
+    assert [r["accuracy"] is not None for r in rows] == [False, True, True]
+    assert rows[0]["loss"] is None and rows[0]["num_clients"] == 3  # trained, not evaluated
+    assert summary["final_accuracy"] == rows[-1]["accuracy"]
+
+
 def test_federated_evaluation_on_client_validation_splits(tmp_path):
     summary = run_in_process(FAST.format(rounds=2) + " federation.fraction_evaluate=1.0", tmp_path)[0]
     rows = read_rows(summary["run_dir"])

@@ -22,6 +22,8 @@ from app.config.validate import validate
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Config nodes that name a callable with `_target_`: their other keys are its keyword arguments.
 TARGET_NODES = ("model", "dataset", "task.loss")
+# Keys that moved: a run config written for the old place gets the new one named.
+MOVED = {"strategy.eval_every": "federation.eval_every"}
 
 
 def config_groups() -> dict[str, list[str]]:
@@ -77,6 +79,8 @@ def compose_config(overrides: str | list[str] = "") -> DictConfig:
     groups = config_groups()
     for item in items:
         key, sep, value = item.lstrip("+~").partition("=")
+        if key in MOVED:
+            raise ConfigError(f"{key} is now {MOVED[key]}: write {MOVED[key]}={value}")
         if sep and key in groups and value not in groups[key]:
             raise ConfigError(f"{key}={value!r} is not a known {key} option; allowed: {', '.join(groups[key])}")
     items = with_kwargs(items)

@@ -68,7 +68,6 @@ class StrategyConfig:
     server_lr: float = 0.5  # η
     server_momentum: float = 0.0  # β
     buffer_aggregator: str = "mean"  # mean | krum | multikrum | median | trimmed_mean
-    eval_every: int = 1  # central evaluation every N versions (and always at the end)
 
 
 @dataclass(unsafe_hash=True)
@@ -179,6 +178,7 @@ class FederationConfig:
     min_train_nodes: int = 2
     fraction_evaluate: float = 0.0
     min_evaluate_nodes: int = 2
+    eval_every: int = 1  # central evaluation every N rounds (FedBuff: versions), and always at the end
     min_available_nodes: int = 2
     round_timeout_s: float = 600.0
     message_ttl_s: float = 3600.0

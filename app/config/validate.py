@@ -83,7 +83,7 @@ def validate(cfg: Config) -> Config:
             cfg.federation.fraction_evaluate == 0,
             "federation.fraction_evaluate",
             cfg.federation.fraction_evaluate,
-            "strategy=fedbuff evaluates centrally every strategy.eval_every versions; set it to 0",
+            "strategy=fedbuff evaluates centrally every federation.eval_every versions; set it to 0",
         )
 
     _validate_privacy(cfg)
@@ -172,6 +172,7 @@ def validate(cfg: Config) -> Config:
 
     f = cfg.federation
     _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
+    _require(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1 (the last round is always evaluated)")
     _require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
     _require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
     _require(
@@ -389,7 +390,6 @@ def _validate_fedbuff(s: StrategyConfig) -> None:
     _require(s.server_lr > 0, "strategy.server_lr", s.server_lr, "must be > 0")
     _require(0 <= s.server_momentum < 1, "strategy.server_momentum", s.server_momentum, "must be in [0, 1)")
     _one_of("strategy.buffer_aggregator", s.buffer_aggregator, BUFFER_AGGREGATORS)
-    _require(s.eval_every >= 1, "strategy.eval_every", s.eval_every, "must be >= 1")
 
 
 def _validate_privacy(cfg: Config) -> None:

@@ -237,9 +237,17 @@ class FederatedRun:
         self.model.load_state_dict(self.full_state(arrays))
         return evaluate(self.model.to(self.device), self.test_data, self.precision, self.task)
 
-    def describe(self, loss: float, metrics: dict[str, float]) -> str:
+    def describe(self, loss: float | None, metrics: dict[str, float] | None) -> str:
         """The evaluation for a log line: the metrics, then the loss."""
+        if metrics is None or loss is None:
+            return "(not evaluated)"
         return "  ".join([*(f"{k} {v:.4f}" for k, v in metrics.items()), f"loss {loss:.4f}"])
+
+    def evaluates(self, step: int) -> bool:
+        """Whether `step` (a round, or a FedBuff version) is evaluated centrally: every
+        federation.eval_every, the last, and the one that spends the wall-clock budget."""
+        f = self.cfg.federation
+        return step % f.eval_every == 0 or step >= f.rounds or bool(f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s)
 
     def should_stop(self, rnd: int, metrics: dict[str, float] | None) -> bool:
         """Rounds done, the target metric reached or wall-clock budget spent (sets stop_reason).
@@ -318,7 +326,7 @@ class FederatedRun:
             if federated_eval:
                 eval_msgs = strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid)
                 fed_eval = strategy.aggregate_evaluate(rnd, send_and_receive(grid, eval_msgs, timeout))
-            loss, metrics = self.central_eval(self.arrays)
+            loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
             row = {
                 **self.timed_row(rnd, metrics, loss, time.time() - t0),
                 **round_row(
@@ -358,12 +366,7 @@ class FederatedRun:
             self.privacy.record_spending(report.client_metrics)
             self.arrays = arrays
             v = report.version
-            evaluate_now = (
-                v % cfg.strategy.eval_every == 0
-                or v >= cfg.federation.rounds
-                or bool(budget and self.elapsed() >= budget)
-            )
-            loss, metrics = self.central_eval(arrays) if evaluate_now else (None, None)
+            loss, metrics = self.central_eval(arrays) if self.evaluates(v) else (None, None)
             now = time.time()
             row = {
                 **self.timed_row(v, metrics, loss, now - last),
@@ -376,7 +379,7 @@ class FederatedRun:
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
                 cfg.federation.rounds,
-                self.describe(loss, metrics) if metrics is not None else "(not evaluated)",
+                self.describe(loss, metrics),
                 row["round_time_s"],
                 row["staleness"],
                 report.discarded_stale,
@@ -406,8 +409,8 @@ class FederatedRun:
     def final_evaluation(self) -> dict[str, Any]:
         """The final model's metrics when the last row did not evaluate it.
 
-        A FedBuff run can stop between evaluations (`strategy.eval_every` > 1) or before
-        its first version (a wall-clock budget spent on the first tasks); it still reports
+        A run can stop between evaluations (`federation.eval_every` > 1, e.g. at a
+        wall-clock budget) or, with FedBuff, before its first version (a wall-clock budget spent on the first tasks); it still reports
         the model it ends with, the initial one if nothing was applied.
         """
         rows, primary = self.recorder.rows, self.task.primary

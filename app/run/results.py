@@ -168,7 +168,7 @@ class RunRecorder:
     def plot(self) -> Path:
         """The primary metric per round and per second of wall time, and loss per round (curves.png).
 
-        Rows without an evaluation (FedBuff with strategy.eval_every > 1) are skipped.
+        Rows without an evaluation (federation.eval_every > 1) are skipped.
         """
         import matplotlib
 
