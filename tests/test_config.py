@@ -69,7 +69,10 @@ def test_overrides_string_is_applied():
         ("resume=auto", ["resume='auto'", "needs a run name"]),
         ("seed=-1", ["seed=-1", ">= 0"]),
         ("train.lrr=0.1", ["train.lrr is not a config key"]),
-        ("strategy=fedbuff strategy.eval_every=2", ["strategy.eval_every is now federation.eval_every", "federation.eval_every=2"]),
+        (
+            "strategy=fedbuff strategy.eval_every=2",
+            ["strategy.eval_every is now federation.eval_every", "federation.eval_every=2"],
+        ),
         ("federation.eval_every=0", ["federation.eval_every=0", ">= 1"]),
         ("federation.rounds=[1,2", ["bad override"]),
         ("server_device=gpu", ["server_device='gpu'"]),

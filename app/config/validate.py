@@ -172,7 +172,9 @@ def validate(cfg: Config) -> Config:
 
     f = cfg.federation
     _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
-    _require(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1 (the last round is always evaluated)")
+    _require(
+        f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1 (the last round is always evaluated)"
+    )
     _require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
     _require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
     _require(

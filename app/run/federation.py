@@ -247,7 +247,11 @@ class FederatedRun:
         """Whether `step` (a round, or a FedBuff version) is evaluated centrally: every
         federation.eval_every, the last, and the one that spends the wall-clock budget."""
         f = self.cfg.federation
-        return step % f.eval_every == 0 or step >= f.rounds or bool(f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s)
+        return (
+            step % f.eval_every == 0
+            or step >= f.rounds
+            or bool(f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s)
+        )
 
     def should_stop(self, rnd: int, metrics: dict[str, float] | None) -> bool:
         """Rounds done, the target metric reached or wall-clock budget spent (sets stop_reason).
