@@ -3,7 +3,7 @@ PyTorch loop, and peak memory, at 10, 100 and 1000 SuperNodes (`nodes`) and with
 ClientApps sharing one device (`packing`).
 
     python bench/scale.py nodes                  # 10, 100 and 1000 nodes, cohort 10, 4 rounds each (10 nodes: ~7 min a round on 2 cores)
-    python bench/scale.py nodes --nodes 100 1000 --rounds 3 --json out.json   # ~5 min on 2 cores
+    python bench/scale.py nodes --nodes 100 1000 --json out.json   # ~6 min on 2 cores
     python bench/scale.py packing                # GPU: 1, 2, 4, 8 clients per GPU; CPU: per CPU set
     python bench/scale.py packing --per-device 1 2 --train-images 8000
 
@@ -15,14 +15,17 @@ dataset=npz), IID partitions. `nodes`: one CPU per ClientApp and 10 nodes sample
 `client-resources-num-gpus=1/k` on a GPU (each client capped at its share,
 app/task/gpu_memory.py) or `client-resources-num-cpus=CPUs/k` on a CPU.
 
-Per run: the median round time over rounds 2..R (round 1 starts Ray's ClientApp workers),
-the samples trained per round (the cohort's examples x epochs), the simulation's samples/s
-(those over the round time), the clients' GPU utilisation and peak memory (from the
-replies), and the peak memory (PSS: shared pages count once) of every process of the run
-(SuperLink, ServerApp, Ray). The reference is one plain PyTorch loop in this process (same
-model, batch and epochs; float inputs on the device, made before timing; bf16 autocast on
-a GPU, as the ClientApp's default) training the same number of examples: the ratio is the
-simulation's samples/s over the loop's.
+Per run: the median round time over rounds 2..R-1 (round 1 starts Ray's ClientApp workers;
+the server evaluates centrally only after round R, `federation.eval_every=R`, as the plain
+loop does not evaluate), the samples trained per round (the cohort's examples x epochs),
+the simulation's samples/s (those over the round time), the clients' GPU utilisation and
+peak memory (from the replies), and the peak memory (PSS: shared pages count once) of every process of the run
+(SuperLink, ServerApp, Ray), with the CPU seconds each kind of process used (the
+ClientApps' share is the training; the rest is what a plain loop does not pay). The
+reference is one plain PyTorch loop in this process (same model, batch and epochs; float
+inputs on the device, made before timing; bf16 autocast on a GPU, as the ClientApp's
+default) training the same number of examples: the ratio is the simulation's samples/s
+over the loop's.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from app.tools.processes import processes_under  # noqa: E402
 from app.tools.sweep import HOME_ROOT_ENV, run_in_simulation  # noqa: E402
 
 TRAIN, TEST, COHORT = 32_000, 2_000, 10
+PLAIN_MAX = 4_000  # examples the plain loop trains on (each of its 3 tries)
 PACKED_NODES = 8  # packing: the federation whose clients share a device
 SPEC = DataSpec((1, 28, 28), 10)
 
@@ -77,22 +81,56 @@ def pss_bytes(pids: set[int]) -> int:
     return total
 
 
-class PeakMemory(threading.Thread):
-    """Samples the PSS of every process started under `marker` until stopped; keeps the peak."""
+# What each process of a run is, by its command line: the ClientApps (Ray actors) do the
+# training; everything else is overhead the plain loop does not have.
+PROCESS_KINDS = (
+    ("ClientAppActor", "clientapps"),
+    ("flwr-simulation", "serverapp_and_simulation_engine"),
+    ("flower-superlink", "superlink"),
+    ("ray", "ray"),
+    ("flwr", "flwr_cli"),
+)
+
+
+def process_kind(cmdline: bytes) -> str:
+    text = cmdline.decode(errors="replace")
+    return next((kind for marker, kind in PROCESS_KINDS if marker in text), "other")
+
+
+def cpu_seconds(pid: int) -> tuple[str, float] | None:
+    """(kind, user + system CPU seconds so far) of `pid` (Linux /proc), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return process_kind(cmdline), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ProcessSampler(threading.Thread):
+    """Samples every process started under `marker` until stopped: the peak PSS of all of
+    them together, and the CPU seconds each used (its last sample), summed by kind."""
 
     def __init__(self, marker: str, interval_s: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.marker, self.interval_s, self.peak = marker, interval_s, 0
+        self.cpu: dict[int, tuple[str, float]] = {}
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval_s):
-            self.peak = max(self.peak, pss_bytes(processes_under(self.marker)))
+            pids = processes_under(self.marker)
+            self.peak = max(self.peak, pss_bytes(pids))
+            self.cpu |= {pid: got for pid in pids if (got := cpu_seconds(pid)) is not None}
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, dict[str, float]]:
+        """(peak PSS bytes, CPU seconds by process kind)."""
         self._stop_event.set()
         self.join()
-        return self.peak
+        by_kind: dict[str, float] = {}
+        for kind, seconds in self.cpu.values():
+            by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+        return self.peak, dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
 
 
 def plain_rate(examples: int, cfg: TrainConfig, device: str = "cpu") -> float:
@@ -131,6 +169,7 @@ def run_federation(name: str, nodes: int, cohort: int, rounds: int, fed: str, da
         f"federation.fraction_train={cohort / nodes}",
         f"federation.min_train_nodes={cohort}",
         f"federation.min_available_nodes={nodes}",
+        f"federation.eval_every={rounds}",  # the plain loop does not evaluate: only the last round does
         "tracking.tensorboard=false",
         f'name="{name}"',
         "resume=auto",  # the run directory is the job's, which already holds flwr.log (as in app/tools/sweep.py)
@@ -138,16 +177,17 @@ def run_federation(name: str, nodes: int, cohort: int, rounds: int, fed: str, da
     homes = root / "homes"
     homes.mkdir(exist_ok=True)
     os.environ[HOME_ROOT_ENV] = str(homes)
-    memory = PeakMemory(str(homes))
-    memory.start()
+    sampler = ProcessSampler(str(homes))
+    sampler.start()
     t0 = time.perf_counter()
     result = run_in_simulation(job, root, overrides, fed, timeout_s=3600)
     wall = time.perf_counter() - t0
-    peak = memory.stop()
+    peak, cpu = sampler.stop()
     if result["error"]:
         raise RuntimeError(f"{name}: {result['error']}")
     rows = read_rows(job)
-    later = rows[1:] or rows
+    # Not round 1 (Ray starts its workers), nor the evaluated last one (unless nothing else is left).
+    later = [r for r in rows[1:] if r["accuracy"] is None] or rows[1:] or rows
     round_s = statistics.median(r["round_time_s"] for r in later)
     examples = statistics.median(r["train"]["num-examples"] for r in later)
     epochs = TrainConfig().epochs
@@ -166,14 +206,17 @@ def run_federation(name: str, nodes: int, cohort: int, rounds: int, fed: str, da
         if all("gpu-device-util-mean-pct" in t for t in train)
         else None,
         "peak_memory_gb": peak / 2**30,
+        "cpu_s_by_process": cpu,
         "wall_s": wall,
     }
 
 
 def with_plain(result: dict[str, Any], device: str) -> dict[str, Any]:
-    """`result` with the plain loop's samples/s on the same examples and the ratio to it."""
+    """`result` with the plain loop's samples/s on the same examples (at most PLAIN_MAX: its
+    rate does not depend on how many; 10 nodes' 32,000 would take ~7 min a try) and the
+    ratio to it."""
     cfg = TrainConfig()
-    examples = int(result["examples_per_round"] / cfg.epochs)
+    examples = min(PLAIN_MAX, int(result["examples_per_round"] / cfg.epochs))
     plain = statistics.median(plain_rate(examples, cfg, device) for _ in range(3))
     return {**result, "plain_samples_per_s": plain, "ratio": result["samples_per_s"] / plain}
 
@@ -186,10 +229,16 @@ def nodes_experiment(args: argparse.Namespace, data: Path, root: Path) -> list[d
         r = with_plain(run_federation(f"nodes-{nodes}", nodes, min(COHORT, nodes), args.rounds, fed, data, root), "cpu")
         results.append(r)
         print(
-            f"{nodes:5d} nodes: round {r['round_time_s']:.2f} s (median of rounds 2-{r['rounds']}), "
+            f"{nodes:5d} nodes: round {r['round_time_s']:.2f} s (median of rounds 2-{r['rounds'] - 1}), "
             f"{r['examples_per_round']:.0f} samples/round, {r['samples_per_s']:.0f} samples/s vs plain "
             f"{r['plain_samples_per_s']:.0f} = {r['ratio']:.2f}x; peak memory {r['peak_memory_gb']:.2f} GB; "
             f"run {r['wall_s']:.0f} s",
+            flush=True,
+        )
+        total = sum(r["cpu_s_by_process"].values()) or 1.0
+        print(
+            "       CPU seconds: "
+            + ", ".join(f"{k} {v:.0f} ({v / total:.0%})" for k, v in r["cpu_s_by_process"].items()),
             flush=True,
         )
     return results
