@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,6 +121,7 @@ class Job:
     val_data: Examples
     model: torch.nn.Module
     task: Task  # the loss and the metrics
+    received: dict[str, torch.Tensor]  # the global model's trainable tensors, as received
     sent_keys: list[str]  # the tensors the server aggregates (model.trainable): the only ones a reply carries
     cap: MemoryCap | None  # this client's share of a shared GPU (app/task/gpu_memory.py)
 
@@ -144,7 +147,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
     precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
     task = Task.from_config(settings.task, spec)
     model = prepare_model(model, precision)
-    return Job(record, settings, spec, precision, train_data, val_data, model, task, list(arrays), cap)
+    return Job(record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap)
 
 
 def released(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
@@ -188,6 +191,25 @@ def load_scaler_state(state: RecordDict) -> dict[str, float | int] | None:
 def save_scaler_state(state: RecordDict, scaler_state: dict[str, float | int]) -> None:
     if scaler_state:
         state[SCALER_STATE] = ConfigRecord(scaler_state)
+
+
+def reply_arrays(
+    job: Job, state: dict[str, torch.Tensor], context: Context, seed: int, metrics: dict[str, Any]
+) -> ArrayRecord:
+    """The trained tensors, or with compression their encoded update (after any attack and local-DP
+    noise: compression is post-processing) on the training device, error feedback kept in the
+    node's state; the encoding time goes into `metrics` (`encode-s`)."""
+    cfg = job.settings.compression
+    if cfg.name == "none":
+        return ArrayRecord(state)
+    from app.compression.wire import pack  # imported here: most runs send the model as it is
+
+    started = time.perf_counter()
+    device = job.precision.device
+    on_device = {k: v.to(device) for k, v in state.items()}
+    arrays = pack(on_device, job.received, cfg, context.state, torch.Generator(device).manual_seed(seed))
+    metrics["encode-s"] = time.perf_counter() - started
+    return arrays
 
 
 @app.train()
@@ -259,7 +281,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     state = {k: trained[k].detach().cpu().contiguous() for k in job.sent_keys}  # frozen tensors stay here
     if malicious and attack.name in MODEL_POISONING:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
-    content = RecordDict({ARRAYS: ArrayRecord(state), METRICS: MetricRecord(metrics)})
+    arrays = reply_arrays(job, state, context, seed, metrics)
+    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
 

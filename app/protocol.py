@@ -13,6 +13,7 @@ from typing import Any
 
 from app.config.schema import (
     AttackConfig,
+    CompressionConfig,
     Config,
     DatasetConfig,
     ModelConfig,
@@ -51,6 +52,7 @@ CLIENT_SECTIONS = {
     "train": TrainConfig,
     "attack": AttackConfig,
     "privacy": PrivacyConfig,
+    "compression": CompressionConfig,
 }
 
 
@@ -65,6 +67,7 @@ class ClientSettings:
     train: TrainConfig = field(default_factory=TrainConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     seed: int = 42
 
     @classmethod

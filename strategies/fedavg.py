@@ -29,6 +29,7 @@ from strategies.replies import (
     ArraySpec,
     Rejection,
     Screened,
+    Unpack,
     WeightCap,
     reject,
     screen_replies,
@@ -125,6 +126,7 @@ class FedAvg(Strategy):
         self.message_ttl_s = message_ttl_s
         self.device = torch.device(device)
         self.weight_cap = weight_cap
+        self.unpack: Unpack | None = None  # a compressed uplink's decoder (set by the app); None: dense replies
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self._specs: dict[str, ArraySpec] = {}
@@ -276,6 +278,8 @@ class FedAvg(Strategy):
             check_finite=self.screen_finite,
             sent=_destinations(self._sent_train),
             weight_cap=self.weight_cap,
+            unpack=self.unpack,
+            base=self._global,
         )
         report = self.train_report
         report.capped = [

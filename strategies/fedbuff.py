@@ -42,6 +42,7 @@ from strategies.replies import (
     InvalidReply,
     Rejection,
     Screened,
+    Unpack,
     ValidReply,
     WeightCap,
     payload_bytes,
@@ -179,6 +180,7 @@ class FedBuff(Strategy):
         self.deadline_grace_s = deadline_grace_s
         self.device = torch.device(device)
         self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.run.federation
+        self.unpack: Unpack | None = None  # as FedAvg.unpack: a compressed uplink's decoder
         self.version = 0
         self.tasks_sent = 0
         self.discarded_total = 0
@@ -325,13 +327,16 @@ class FedBuff(Strategy):
                 self.max_staleness,
             )
             return
+        base = self._models[task.version]
         try:
-            valid = screen_reply(reply, self._specs, node=node, weight_cap=self.weight_cap)
+            valid = screen_reply(
+                reply, self._specs, node=node, weight_cap=self.weight_cap, unpack=self.unpack, base=base
+            )
         except InvalidReply as err:
             self.report.rejected.append(Rejection(node, str(err)))
             log.warning("rejected reply from node %s: %s", node, err)
             return
-        valid.node_id, valid.staleness, valid.base = node, tau, self._models[task.version]
+        valid.node_id, valid.staleness, valid.base = node, tau, base
         valid.scale = self.staleness(tau)
         valid.weight *= valid.scale  # the capped count times s(τ)
         if self.buffer_rule is not None:

@@ -35,6 +35,11 @@ MAX_WEIGHT = 2.0**53
 # a few hundred cover any shape): more than this is a reply padded with junk.
 HEADER_ALLOWANCE = 1024
 
+Unpack = Callable[[ArrayRecord, TensorDict], TensorDict]
+"""(a reply's compressed arrays, the model the node was sent) -> the node's model, dense, in the
+global model's keys, shapes and dtypes; raises ValueError when the payload is malformed. Set by the
+app for a compressed uplink (app/compression/wire.py); None: replies carry the model itself."""
+
 WeightCap = Callable[[int, MetricRecord, str], float]
 """(node id, the reply's metrics, MessageType.TRAIN or .EVALUATE) -> the most examples
 that reply may count for. It may raise InvalidReply (a contradictory partition claim)."""
@@ -104,35 +109,53 @@ def reply_weight(metrics: MetricRecord, weight_key: str = NUM_EXAMPLES) -> float
     return float(value)
 
 
-def check_arrays(record: ArrayRecord, specs: dict[str, ArraySpec], check_finite: bool = True) -> TensorDict:
+def check_arrays(
+    record: ArrayRecord,
+    specs: dict[str, ArraySpec],
+    check_finite: bool = True,
+    unpack: Unpack | None = None,
+    base: TensorDict | None = None,
+) -> TensorDict:
     """Zero-copy tensors of a reply's arrays, or InvalidReply naming the first problem.
 
     The byte size is checked before any payload is parsed or viewed: a reply larger
     than the global model (plus `HEADER_ALLOWANCE` per array) is refused outright.
     `check_finite=False` leaves the NaN/Inf check to an aggregator that gets it for
     free from its own pass over the data (FedAvg's output, Krum's Gram diagonal).
+    With `unpack` (a compressed uplink) the arrays are an encoded update of `base`,
+    decoded into the node's model first; then the same checks apply.
     """
-    missing, extra = specs.keys() - record.keys(), record.keys() - specs.keys()
-    if missing or extra:
-        raise InvalidReply(
-            f"array keys differ from the global model (missing {sorted(missing)}, unexpected {sorted(extra)})"
-        )
     size = sum(len(a.data) for a in record.values())
-    limit = sum(spec.nbytes + HEADER_ALLOWANCE for spec in specs.values())
+    # A compressed payload is smaller than the model, except topk's bitmap at ratio 1 (n/8 bytes more).
+    limit = sum((spec.nbytes * 9 // 8 if unpack else spec.nbytes) + HEADER_ALLOWANCE for spec in specs.values())
     if size > limit:
         raise InvalidReply(f"arrays hold {size} bytes, more than the global model's {limit} (headers included)")
-    tensors: TensorDict = {}
-    for key, spec in specs.items():
-        arr = record[key]
-        if tuple(arr.shape) != spec.shape or arr.dtype != spec.dtype:
-            raise InvalidReply(f"{key}: {arr.dtype}{list(arr.shape)} != global {spec.dtype}{list(spec.shape)}")
+    if unpack is not None:
+        if base is None:
+            raise ValueError("unpack needs the model the node was sent (base)")
         try:
-            tensor = array_view(arr)
+            tensors = unpack(record, base)
         except ValueError as err:
-            raise InvalidReply(f"{key}: {err}") from err
-        if check_finite and not is_finite(tensor):
-            raise InvalidReply(f"{key}: non-finite values (NaN or Inf)")
-        tensors[key] = tensor
+            raise InvalidReply(f"compressed update: {err}") from err
+    else:
+        missing, extra = specs.keys() - record.keys(), record.keys() - specs.keys()
+        if missing or extra:
+            raise InvalidReply(
+                f"array keys differ from the global model (missing {sorted(missing)}, unexpected {sorted(extra)})"
+            )
+        tensors = {}
+        for key, arr in record.items():
+            spec = specs[key]
+            if tuple(arr.shape) != spec.shape or arr.dtype != spec.dtype:
+                raise InvalidReply(f"{key}: {arr.dtype}{list(arr.shape)} != global {spec.dtype}{list(spec.shape)}")
+            try:
+                tensors[key] = array_view(arr)
+            except ValueError as err:
+                raise InvalidReply(f"{key}: {err}") from err
+    if check_finite:
+        for key in specs:
+            if not is_finite(tensors[key]):
+                raise InvalidReply(f"{key}: non-finite values (NaN or Inf)")
     return tensors
 
 
@@ -154,11 +177,13 @@ def screen_reply(
     *,
     node: int | None = None,
     weight_cap: WeightCap | None = None,
+    unpack: Unpack | None = None,
+    base: TensorDict | None = None,
 ) -> ValidReply:
     """Validate one reply; `specs=None` checks metrics only (evaluation replies).
 
     `node` is the node the task was sent to (default: the reply's sender); its
-    `weight_cap` bounds the claimed example count.
+    `weight_cap` bounds the claimed example count. `unpack` and `base`: see check_arrays.
     """
     if msg.has_error():
         raise InvalidReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
@@ -168,7 +193,7 @@ def screen_reply(
     kind = MessageType.TRAIN if specs is not None else MessageType.EVALUATE
     weight = capped_weight(reply_weight(metrics, weight_key), node, metrics, kind, weight_cap)
     arrays = (
-        check_arrays(_only_record(content.array_records, "ArrayRecord"), specs, check_finite)
+        check_arrays(_only_record(content.array_records, "ArrayRecord"), specs, check_finite, unpack, base)
         if specs is not None
         else {}
     )
@@ -182,6 +207,8 @@ def screen_replies(
     check_finite: bool = True,
     sent: Mapping[str, int] | None = None,
     weight_cap: WeightCap | None = None,
+    unpack: Unpack | None = None,
+    base: TensorDict | None = None,
 ) -> Screened:
     """Split replies into valid ones and logged rejections.
 
@@ -193,7 +220,10 @@ def screen_replies(
     for msg in replies:
         node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
         try:
-            out.valid.append(screen_reply(msg, specs, weight_key, check_finite, node=node, weight_cap=weight_cap))
+            reply = screen_reply(
+                msg, specs, weight_key, check_finite, node=node, weight_cap=weight_cap, unpack=unpack, base=base
+            )
+            out.valid.append(reply)
         except InvalidReply as err:
             out.rejected.append(Rejection(node, str(err)))
             log.warning("rejected reply from node %s: %s", node, err)

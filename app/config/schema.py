@@ -19,6 +19,7 @@ BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
 STRAGGLERS = ("none", "fixed", "lognormal")
 PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = POLICIES
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codecs.py
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
@@ -145,6 +146,16 @@ class AttackConfig:
 
 
 @dataclass(unsafe_hash=True)
+class CompressionConfig:
+    """How a reply's update crosses the link (app/compression/)."""
+
+    name: str = "none"  # none | fp16 | bf16 | int8 | topk: the reply's update (trained - received model)
+    ratio: float = 0.01  # topk: the fraction of each tensor's entries sent
+    quantize_values: bool = False  # topk: the kept values in int8 (else float32)
+    error_feedback: bool = True  # what was not sent is added to the node's next update
+
+
+@dataclass(unsafe_hash=True)
 class PrivacyConfig:
     name: str = "none"  # none | central | central_adaptive | local
     noise_multiplier: float = 1.0  # Gaussian noise std / clip (central: per release; local: per step)
@@ -228,6 +239,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)

@@ -14,6 +14,7 @@ from app.config.schema import (
     BUFFER_AGGREGATORS,
     BUILTIN_METRICS,
     CHANNELS_LAST_MODES,
+    COMPRESSIONS,
     DATASETS,
     MODELS,
     OPTIMIZERS,
@@ -85,6 +86,10 @@ def validate(cfg: Config) -> Config:
             cfg.federation.fraction_evaluate,
             "strategy=fedbuff evaluates centrally every federation.eval_every versions; set it to 0",
         )
+
+    c = cfg.compression
+    _one_of("compression.name", c.name, COMPRESSIONS)
+    _require(0 < c.ratio <= 1, "compression.ratio", c.ratio, "must be in (0, 1]: the fraction of entries sent")
 
     _validate_privacy(cfg)
 

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from flwr.app import MessageType, MetricRecord
 
-from app.config.schema import ROBUST_RULES, STRATEGIES, Config, ConfigError, StrategyConfig
+from app.compression.wire import unpack
+from app.config.schema import ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import DataSpec, partition_indices, validation_size
@@ -22,7 +23,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
 from strategies.krum import Krum, KrumRule, MultiKrum, MultiKrumRule
 from strategies.partitions import PartitionBinding
-from strategies.replies import WeightCap
+from strategies.replies import Unpack, WeightCap
 from strategies.robust import RobustRule, RobustStrategy
 from strategies.staleness import staleness_fn
 
@@ -153,6 +154,13 @@ def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> W
         return min(limit, train if kind == MessageType.TRAIN else validation)
 
     return cap
+
+
+def uplink_decoder(cfg: CompressionConfig) -> Unpack | None:
+    """How the strategy gets a node's model from a compressed reply (None: replies carry the model)."""
+    if cfg.name == "none":
+        return None
+    return functools.partial(unpack, cfg=cfg)
 
 
 def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> None:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from app.config.schema import Config, ConfigError
 from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.run.factory import build_strategy, check_cohort, example_cap, global_model, run_privacy
+from app.run.factory import build_strategy, check_cohort, example_cap, global_model, run_privacy, uplink_decoder
 from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
@@ -135,6 +135,7 @@ class FederatedRun:
         self.arrays, self.frozen = self.split(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
         self.strategy.frozen = self.frozen
+        self.strategy.unpack = uplink_decoder(cfg.compression)
         self.first_round, self.elapsed_before = 1, 0.0
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)

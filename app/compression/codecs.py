@@ -1,0 +1,473 @@
+"""Codecs for a model update on the uplink ("compressed uplink with error feedback").
+
+An update is a dict of named tensors: the trained model minus the version the node trained from.
+`encode` turns it into a flat dict of named tensors ("parts") of dtypes numpy supports, so that they
+travel in a Flower ArrayRecord; `decode` checks the parts against the reference model `like` (names,
+shapes, dtypes and device: the server always has the global model) and returns the dense update.
+Which parts a tensor has depends only on `like`, the mode and the settings (`_plan`, shared by both
+sides), so the decoder knows exactly what to expect and refuses anything else: the bytes come from
+untrusted nodes, and `decode` raises `MalformedPayload` (naming the part and the problem) for every
+payload that does not match, never another exception type. Values must be finite in every mode
+(`none` included) and representable in like's dtype, so a decoded update holds no NaN or inf.
+
+Part layout, for a tensor named `key` with n elements:
+
+- not floating point (integer buffers such as BatchNorm's `num_batches_tracked`, bool, complex),
+  in every mode: `key`, the tensor itself, exact.
+- floating point in mode `none`, or with n == 0 in any mode: `key`, the tensor itself; a float dtype
+  numpy lacks (bfloat16, float8) travels as its raw bits (an int16 / uint8 view of it).
+- `fp16`: `key`, float16 with like's shape, saturated at +-65504 (an inf would get the reply refused).
+- `bf16`: `key`, int16 with like's shape: the raw bits of the bfloat16 values (numpy has no bfloat16).
+- `int8`: `key/q`, int8 with like's shape, and `key/scale`, float32 of shape (C,) (one per output
+  channel, dim 0) when ndim >= 2 and n >= PER_CHANNEL_MIN_NUMEL, else (1,); value = q * scale.
+- `topk`: the k = `topk_count(n, ratio)` largest-magnitude entries. `key/val`: their values, float32
+  (k,), or with `quantize_values` int8 (k,) plus `key/scale` float32 (1,) (the int8 scheme over the k
+  values); and their positions in the flattened tensor, in increasing order, either as `key/idx`
+  (uint16 when n <= 65536, else int32; (k,), strictly increasing) or as `key/mask` (uint8,
+  (ceil(n/8),): bit i % 8 of byte i // 8, least significant bit first, as
+  `numpy.packbits(..., bitorder="little")`), whichever is smaller (the mask when ceil(n/8) is fewer
+  bytes than the index array).
+
+Every operation runs in torch on the update's device (the GPU when the node trains there), with no
+Python loop over elements; the parts are returned on that device (the caller moves them to the CPU
+for the ArrayRecord). `decode` moves the parts to like's device and returns like's dtypes there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+MODES = ("none", "fp16", "bf16", "int8", "topk")
+
+# Per-channel int8 scales for weight matrices and kernels with at least this many elements: their
+# output channels' ranges differ by orders of magnitude, and the (C,) scales cost C * 4 bytes, under
+# 1/8 of the payload here even with one scale per 32 elements. Smaller tensors (biases, norms) get one.
+PER_CHANNEL_MIN_NUMEL = 4096
+
+# topk on tensors this large first narrows the candidates with a threshold estimated from a strided
+# sample (`_topk_positions`); smaller ones call torch.topk on the whole tensor. Measured on the 2-core
+# CPU (one torch thread; another job on the cores), k = 1%, ms for topk(abs) + sort of the positions /
+# kthvalue(abs) + mask / sample: n = 65536: 0.5 / 0.9 / 0.9; 262144: 2.6 / 2.3 / 1.8;
+# 589824: 7.4 / 11.8 / 3.1; 2359296: 57 / 58 / 12; 11M: 370 / 320 / 48.
+TOPK_SAMPLE_MIN_NUMEL = 1 << 18
+_TOPK_SAMPLE_SIZE = 1 << 16
+
+# Symmetric int8: q in [-127, 127] (-128 is never produced). Scales map max|x| to slightly less than 127
+# so that stochastic rounding cannot reach 128 through float rounding (see `_quantize`).
+_INT8_SPAN = 127 * (1 - 2**-20)
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
+_WIRE_FLOATS = (torch.float16, torch.float32, torch.float64)  # float dtypes numpy has
+_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+Update = dict[str, torch.Tensor]
+
+
+class MalformedPayload(ValueError):
+    """A compressed reply that cannot be decoded (the message says which part and what is wrong)."""
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """How many entries topk keeps of a tensor with `numel` elements: round(ratio * numel), at least 1."""
+    return max(1, min(numel, round(ratio * numel)))
+
+
+def check_settings(mode: str, ratio: float = 0.01) -> None:
+    """Raise ValueError for an unknown mode or a ratio outside (0, 1] (both sides call this first)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown compression mode {mode!r}; allowed: {', '.join(MODES)}")
+    if not (isinstance(ratio, int | float) and 0.0 < ratio <= 1.0):  # also refuses NaN
+        raise ValueError(f"topk ratio must be in (0, 1], got {ratio!r}")
+
+
+def payload_nbytes(parts: Mapping[str, torch.Tensor]) -> int:
+    """The bytes of the parts' data (an ArrayRecord adds a header of about 128 bytes per part)."""
+    return sum(t.numel() * t.element_size() for t in parts.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout: which parts each tensor has, from its shape and dtype alone.
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor travels as when sent exactly: its own, or raw bits for floats numpy lacks."""
+    if dtype.is_floating_point and dtype not in _WIRE_FLOATS:
+        return {1: torch.uint8, 2: torch.int16}[dtype.itemsize]
+    return dtype
+
+
+def _kind(t: torch.Tensor, mode: str) -> str:
+    if not t.dtype.is_floating_point or t.numel() == 0 or mode == "none":
+        return "exact"
+    return mode
+
+
+def _per_channel(shape: torch.Size) -> bool:
+    return len(shape) >= 2 and math.prod(shape) >= PER_CHANNEL_MIN_NUMEL
+
+
+def _uses_mask(numel: int, k: int) -> bool:
+    index_bytes = k * (2 if numel <= 65536 else 4)
+    return (numel + 7) // 8 < index_bytes
+
+
+def _plan(key: str, t: torch.Tensor, mode: str, ratio: float, quantize_values: bool) -> dict[str, tuple]:
+    """{part name: (dtype, shape)} that `encode` produces for tensor `t` named `key`."""
+    kind, shape, n = _kind(t, mode), tuple(t.shape), t.numel()
+    if kind == "exact":
+        return {key: (_wire_dtype(t.dtype), shape)}
+    if kind == "fp16":
+        return {key: (torch.float16, shape)}
+    if kind == "bf16":
+        return {key: (torch.int16, shape)}
+    if kind == "int8":
+        return {
+            f"{key}/q": (torch.int8, shape),
+            f"{key}/scale": (torch.float32, (shape[0] if _per_channel(t.shape) else 1,)),
+        }
+    k = topk_count(n, ratio)
+    plan = {f"{key}/val": (torch.int8 if quantize_values else torch.float32, (k,))}
+    if quantize_values:
+        plan[f"{key}/scale"] = (torch.float32, (1,))
+    if _uses_mask(n, k):
+        plan[f"{key}/mask"] = (torch.uint8, ((n + 7) // 8,))
+    else:
+        plan[f"{key}/idx"] = (torch.uint16 if n <= 65536 else torch.int32, (k,))
+    return plan
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], mode: str, ratio: float, quantize_values: bool) -> dict[str, dict]:
+    """Every key's plan; refuses keys whose part names would collide (e.g. "w/q" next to an int8 "w")."""
+    layout, owner = {}, {}
+    for key, t in tensors.items():
+        layout[key] = _plan(key, t, mode, ratio, quantize_values)
+        for name in layout[key]:
+            if name in owner:
+                raise ValueError(f"part name {name!r} of {key!r} collides with a part of {owner[name]!r}")
+            owner[name] = key
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------
+# int8: symmetric scale, stochastic rounding.
+
+
+class _Uniform:
+    """U[0, 1) float32 noise for stochastic rounding, drawn from the caller's generator, one per encode.
+
+    On a GPU: torch's generator (Philox, parallel). On the CPU torch's generator is a Mersenne
+    Twister that fills one element at a time on one thread (58-75 ms for 11M floats on the 2-core
+    CPU); numpy's PCG64 is twice as fast (28-42 ms) with the same 24-bit resolution, so CPU noise comes
+    from a PCG64 seeded by one draw from the generator: reproducible from a seeded generator, and it
+    advances the generator as any other use would. The noise is written into one scratch buffer per
+    device, reused for every tensor (a fresh 44 MB buffer costs ~30 ms of page faults on this VM).
+    """
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+        self._cpu: np.random.Generator | None = None
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Noise of `shape` on `device`, valid until the next call (it lives in the scratch buffer)."""
+        numel = math.prod(shape)
+        scratch = self._scratch.get(device)
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._scratch[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        out = scratch[:numel].view(shape)
+        if device.type != "cpu":
+            return out.uniform_(0.0, 1.0, generator=self.generator)
+        if self._cpu is None:
+            seed = torch.randint(0, 2**63 - 1, (), generator=self.generator, dtype=torch.int64)
+            self._cpu = np.random.Generator(np.random.PCG64(int(seed)))
+        self._cpu.random(out=out.numpy(), dtype=np.float32)
+        return out
+
+
+def _quantize(x: torch.Tensor, per_channel: bool, uniform: _Uniform) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and float32 scales of `x`: symmetric, q = floor(x / scale + u), u ~ U[0, 1).
+
+    Symmetric (scale = max|x| / 127, no zero point) rather than affine: a zero stays exactly zero
+    (stochastic rounding of an integer is that integer), so entries a round did not change and the
+    rows of a sparse update carry no noise; there is one parameter per group to send and to check
+    (finite, > 0); and updates (and topk's values, large of both signs) are centred on zero, where
+    affine's range [min, max] is no narrower than [-max|x|, max|x|]. The cost is at most a twice
+    coarser step on a one-sided tensor.
+
+    Stochastic rounding makes the code unbiased: with u uniform, P(q = floor(y) + 1) = y - floor(y),
+    so E[q * scale] = x (up to float rounding and the noise's 2^-24 resolution), and the error
+    of the sum over rounds and nodes averages out instead of accumulating like round-to-nearest's.
+    |error| < one step (scale) per element. A constant or all-zero group works: scale is clamped to
+    the smallest normal float32, so nothing divides by zero and zeros decode to zero.
+    """
+    xf = x.float()
+    groups = xf.reshape(x.shape[0], -1) if per_channel else xf.reshape(1, -1)
+    # amax and amin: two passes without a buffer, 5x faster on a CPU than aminmax(dim=1) or abs().amax().
+    # NaN propagates into the scale, which decode refuses.
+    scale = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg_()).div_(_INT8_SPAN).clamp_min_(_FLOAT32_TINY)
+    work = uniform(tuple(groups.shape), x.device)
+    work.addcmul_(groups, scale.reciprocal().unsqueeze(1))  # u + x / scale, in place: no extra buffer
+    # scale is max|x| / (127 (1 - 2^-20)): |x / scale| <= 127 - 1.2e-4 (+ a few float32 ulps of 7.6e-6),
+    # so u + x / scale rounds into [-127, 128) and floor lands in [-127, 127] without a clamp pass.
+    return work.floor_().to(torch.int8).reshape(x.shape), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out.copy_(q)  # int8 -> float32, then an in-place multiply: no promoted temporary
+    out.reshape(scale.numel(), -1).mul_(scale.unsqueeze(1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# topk: selection and the packing of positions.
+
+
+def _topk_positions(flat: torch.Tensor, k: int, sample_min_numel: int = TOPK_SAMPLE_MIN_NUMEL) -> torch.Tensor:
+    """The positions (int64, increasing) of the k largest |flat| entries; NaN counts as largest.
+
+    torch.topk over |x| is exact and fine for small tensors, but its cost grows faster than linearly
+    on a CPU (see the numbers at TOPK_SAMPLE_MIN_NUMEL). On a large tensor a strided sample of 65536
+    elements gives a threshold a few standard errors below the k-th largest magnitude; the entries not
+    below it (a few percent more than k, found with two comparisons and no |x| buffer) are the
+    candidates, and topk over them picks exactly k. If the sample misled (fewer than k candidates) it
+    falls back to topk over the whole tensor, so the result is always the exact top k.
+    """
+    n = flat.numel()
+    if n >= sample_min_numel and 8 * k <= n:
+        sample = flat[:: max(1, n // _TOPK_SAMPLE_SIZE)].abs()
+        expected = k * sample.numel() / n
+        ks = math.ceil(expected + 4 * math.sqrt(expected) + 8)
+        if ks < sample.numel():
+            threshold = torch.topk(sample, ks, sorted=False).values.min()
+            below = torch.lt(flat, threshold).logical_and_(torch.gt(flat, -threshold))
+            candidates = below.logical_not_().nonzero().squeeze(1)  # NaN is never "below": it stays in
+            if candidates.numel() >= k:
+                chosen = torch.topk(flat[candidates].abs(), k, sorted=False).indices
+                return candidates[chosen.sort().values]  # candidates are increasing
+    return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+
+
+def _pack_mask(positions: torch.Tensor, numel: int) -> torch.Tensor:
+    bits = torch.zeros((numel + 7) // 8 * 8, dtype=torch.bool, device=positions.device)
+    bits[positions] = True
+    weights = torch.tensor(_BITS, dtype=torch.uint8, device=positions.device)
+    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_mask(mask: torch.Tensor) -> torch.Tensor:
+    weights = torch.tensor(_BITS, dtype=torch.uint8, device=mask.device)
+    return mask.unsqueeze(1).bitwise_and(weights).ne_(0).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+def encode(
+    update: Mapping[str, torch.Tensor],
+    mode: str,
+    *,
+    ratio: float = 0.01,
+    quantize_values: bool = False,
+    generator: torch.Generator | None = None,
+) -> Update:
+    """The parts for `update` in `mode` (layout: the module docstring), on the update's device.
+
+    `ratio` (topk) and `quantize_values` (topk: int8 values) must be the ones `decode` is given.
+    `generator` drives int8's stochastic rounding (on the update's device; None: torch's default):
+    pass a seeded one for reproducible payloads. The update itself is never modified.
+    """
+    check_settings(mode, ratio)
+    layout = _layout(update, mode, ratio, quantize_values)
+    uniform = _Uniform(generator)
+    parts: Update = {}
+    for key, x in update.items():
+        kind = _kind(x, mode)
+        if kind == "exact":
+            wire = _wire_dtype(x.dtype)
+            parts[key] = x if wire == x.dtype else x.view(wire)
+        elif kind == "fp16":
+            # Saturate: an entry beyond fp16's range would become inf and get the whole reply refused.
+            parts[key] = x if x.dtype == torch.float16 else x.to(torch.float16).clamp_(-65504, 65504)
+        elif kind == "bf16":
+            parts[key] = x.to(torch.bfloat16).view(torch.int16)
+        elif kind == "int8":
+            parts[f"{key}/q"], parts[f"{key}/scale"] = _quantize(x, _per_channel(x.shape), uniform)
+        else:
+            flat = x.reshape(-1)
+            positions = _topk_positions(flat, topk_count(flat.numel(), ratio))
+            values = flat[positions].float()
+            if quantize_values:
+                parts[f"{key}/val"], parts[f"{key}/scale"] = _quantize(values, False, uniform)
+            else:
+                parts[f"{key}/val"] = values
+            if f"{key}/mask" in layout[key]:
+                parts[f"{key}/mask"] = _pack_mask(positions, flat.numel())
+            else:
+                parts[f"{key}/idx"] = positions.to(layout[key][f"{key}/idx"][0])
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: validate everything before using it.
+
+
+def _fmt(dtype: torch.dtype, shape: tuple) -> str:
+    return f"{str(dtype).removeprefix('torch.')} of shape {tuple(shape)}"
+
+
+def _check_range(name: str, values: torch.Tensor, like_dtype: torch.dtype) -> None:
+    """Finite, and representable in like's dtype (so the decoded update holds no inf either)."""
+    if values.numel() == 0:
+        return
+    lo, hi = torch.aminmax(values)
+    limit = torch.finfo(like_dtype).max
+    if not (-limit <= float(lo) and float(hi) <= limit):  # NaN fails both comparisons
+        raise MalformedPayload(f"{name}: non-finite or out-of-range values (min {float(lo)}, max {float(hi)})")
+
+
+def _check_scale(name: str, scale: torch.Tensor, like_dtype: torch.dtype) -> None:
+    # 128 * scale must stay finite in like's dtype (an int8 code may be -128 even though we never send it).
+    limit = torch.finfo(like_dtype).max / 128
+    lo, hi = torch.aminmax(scale.double())
+    if not (0 < float(lo) and float(hi) <= limit):  # NaN fails both
+        raise MalformedPayload(
+            f"{name}: scales must be finite, > 0 and <= {limit:.3g}; got min {float(lo)}, max {float(hi)}"
+        )
+
+
+def _decode_values(key: str, got: dict[str, torch.Tensor], like_dtype: torch.dtype) -> torch.Tensor:
+    """topk's values as float32: plain, or int8 codes with their scale."""
+    values = got[f"{key}/val"]
+    if f"{key}/scale" in got:
+        _check_scale(f"{key}/scale", got[f"{key}/scale"], like_dtype)
+        return _dequantize(values, got[f"{key}/scale"])
+    _check_range(f"{key}/val", values, like_dtype)
+    return values
+
+
+def _decode_positions(key: str, got: dict[str, torch.Tensor], numel: int, k: int) -> torch.Tensor:
+    """topk's positions (int64, strictly increasing, in [0, numel)) from the index array or the mask."""
+    if f"{key}/mask" in got:
+        bits = _unpack_mask(got[f"{key}/mask"])
+        if bits[numel:].any():
+            raise MalformedPayload(f"{key}/mask: bits set past the tensor's {numel} elements")
+        count = int(bits.sum())
+        if count != k:
+            raise MalformedPayload(f"{key}/mask: {count} bits set, expected {k} (ratio and {numel} elements)")
+        return bits[:numel].nonzero().squeeze(1)
+    positions = got[f"{key}/idx"].to(torch.int64)
+    first, last = int(positions[0]), int(positions[-1])
+    if first < 0 or last >= numel:
+        raise MalformedPayload(f"{key}/idx: index out of range [0, {numel}) (first {first}, last {last})")
+    if k > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise MalformedPayload(f"{key}/idx: indices must be strictly increasing (repeated or unsorted)")
+    return positions
+
+
+def decode(
+    parts: Mapping[str, torch.Tensor],
+    like: Mapping[str, torch.Tensor],
+    mode: str,
+    *,
+    ratio: float = 0.01,
+    quantize_values: bool = False,
+) -> Update:
+    """The dense update that `parts` encode, with like's keys, shapes and dtypes, on like's device.
+
+    `like` (the model the node trained from, or any tensors of its shapes and dtypes) is trusted; the
+    parts are not: anything that does not match the layout `encode` produces for `like` with these
+    settings raises MalformedPayload. A returned tensor may share memory with its part.
+    """
+    check_settings(mode, ratio)
+    layout = _layout(like, mode, ratio, quantize_values)
+    if not isinstance(parts, Mapping):
+        raise MalformedPayload(f"expected a mapping of named tensors, got {type(parts).__name__}")
+    expected = {name for plan in layout.values() for name in plan}
+    missing = sorted(expected.difference(parts))
+    if missing:
+        raise MalformedPayload(
+            f"missing part {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    extra = [name for name in parts if name not in expected]
+    if extra:
+        raise MalformedPayload(
+            f"unexpected part {extra[0]!r}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+        )
+
+    out: Update = {}
+    for key, ref in like.items():
+        got: dict[str, torch.Tensor] = {}
+        for name, (dtype, shape) in layout[key].items():
+            t = parts[name]
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                raise MalformedPayload(f"{name}: expected a dense tensor, got {type(t).__name__}")
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise MalformedPayload(f"{name}: expected {_fmt(dtype, shape)}, got {_fmt(t.dtype, t.shape)}")
+            got[name] = t.to(ref.device)
+        kind = _kind(ref, mode)
+        if kind in ("exact", "fp16", "bf16"):
+            t = got[key]
+            if kind == "bf16":
+                t = t.view(torch.bfloat16)
+            elif kind == "exact" and t.dtype != ref.dtype:  # the raw bits of a float dtype numpy lacks
+                t = t.view(ref.dtype)
+            if t.dtype.is_floating_point:
+                _check_range(key, t, ref.dtype)
+            out[key] = t.to(ref.dtype)
+        elif kind == "int8":
+            _check_scale(f"{key}/scale", got[f"{key}/scale"], ref.dtype)
+            out[key] = _dequantize(got[f"{key}/q"], got[f"{key}/scale"]).to(ref.dtype)
+        else:
+            n = ref.numel()
+            positions = _decode_positions(key, got, n, topk_count(n, ratio))
+            dense = torch.zeros(n, dtype=ref.dtype, device=ref.device)
+            dense[positions] = _decode_values(key, got, ref.dtype).to(ref.dtype)
+            out[key] = dense.view(ref.shape)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# error feedback
+
+
+def with_error_feedback(
+    update: Mapping[str, torch.Tensor],
+    residual: Mapping[str, torch.Tensor] | None,
+    mode: str,
+    *,
+    ratio: float = 0.01,
+    quantize_values: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[Update, Update]:
+    """Encode update + residual; return the parts and the new residual (what the parts did not carry).
+
+    compensated = update + residual (a missing residual or key counts as zeros); parts =
+    encode(compensated); new residual = compensated - decode(parts). So over rounds the decoded updates
+    sum to the true updates minus the last residual, exactly up to float rounding: what topk drops
+    or int8 rounds away is sent later instead of lost. The residual holds the floating-point keys only
+    (the rest is sent exactly), in the update's dtype and on its device; keep it in the node's state.
+    Raises ValueError when update + residual is not finite: the server would refuse it, and a NaN
+    residual would spoil every later round of this node.
+    """
+    residual = residual or {}
+    compensated: Update = {}
+    for key, x in update.items():
+        r = residual.get(key)
+        if r is None or not x.dtype.is_floating_point:
+            compensated[key] = x
+        elif r.shape != x.shape:
+            raise ValueError(f"residual {key!r} has shape {tuple(r.shape)}, the update {tuple(x.shape)}")
+        else:
+            compensated[key] = x + r.to(device=x.device, dtype=x.dtype)
+    parts = encode(compensated, mode, ratio=ratio, quantize_values=quantize_values, generator=generator)
+    try:
+        sent = decode(parts, compensated, mode, ratio=ratio, quantize_values=quantize_values)
+    except MalformedPayload as e:
+        raise ValueError(f"the update (plus the residual) cannot be sent: {e}") from None
+    new_residual = {key: compensated[key] - sent[key] for key, x in update.items() if x.dtype.is_floating_point}
+    return parts, new_residual
