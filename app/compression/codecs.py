@@ -41,7 +41,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-MODES = ("none", "fp16", "bf16", "int8", "topk")
+from app.config.schema import COMPRESSIONS
+
+MODES = COMPRESSIONS  # the config's compression.name values
 
 # Per-channel int8 scales for weight matrices and kernels with at least this many elements: their
 # output channels' ranges differ by orders of magnitude, and the (C,) scales cost C * 4 bytes, under
