@@ -77,6 +77,16 @@ def test_client_app_process_does_not_load_hydra() -> None:
     assert not bad, f"importing app.client_app loads {bad}"
 
 
+# What the ClientApp may import (never Hydra's compose, the server's run or the tools).
+CLIENT_SIDE = (
+    "app.config",
+    "app.protocol",
+    "app.compression",
+    "app.task",
+    "app.privacy",
+    "app.simulation",
+    "strategies",
+)
 # Each package may import only the packages listed (and the standard library / third parties).
 ALLOWED = {
     "strategies": ("strategies",),
@@ -86,25 +96,8 @@ ALLOWED = {
     "app.task": ("app.task", "app.config", "app.protocol", "strategies"),
     "app.simulation": ("app.simulation", "app.config", "app.protocol", "app.task", "strategies"),
     "app.privacy": ("app.privacy", "app.config", "app.protocol", "app.task", "strategies"),
-    "app.client_app": (
-        "app.config",
-        "app.protocol",
-        "app.compression",
-        "app.task",
-        "app.privacy",
-        "app.simulation",
-        "strategies",
-    ),
-    "app.run": (
-        "app.run",
-        "app.config",
-        "app.protocol",
-        "app.compression",
-        "app.task",
-        "app.privacy",
-        "app.simulation",
-        "strategies",
-    ),
+    "app.client_app": CLIENT_SIDE,
+    "app.run": ("app.run", *CLIENT_SIDE),  # the server's run: what the client uses, and itself
     "app.server_app": ("app.run", "app.config", "app.task", "strategies"),
     "app.tools": ("app", "strategies"),
 }
