@@ -33,6 +33,10 @@ def test_small_federation_learns_and_writes_all_results(tmp_path):
         assert row["num_clients"] == 3 and row["num_rejected"] == 0
         assert row["train"]["num-examples"] > 0 and row["train"]["gpu-telemetry"] == 0.0
     assert rows[0]["wall_time_s"] < rows[-1]["wall_time_s"]
+    for row in rows:  # 3 tasks and 3 replies of one model's size each round
+        assert row["bytes_down_total"] == 3 * row["bytes_down"] and row["bytes_up_total"] == 3 * row["bytes_up"]
+    assert summary["bytes_up_total"] == sum(r["bytes_up_total"] for r in rows) > 0
+    assert summary["bytes_down_total"] == sum(r["bytes_down_total"] for r in rows) > 0
     for name in ("config.yaml", "summary.json", "curves.png", "model_final.pt", "checkpoint.pt"):
         assert (run_dir / name).is_file(), name
     assert "rounds: 3" in (run_dir / "config.yaml").read_text()

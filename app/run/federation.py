@@ -315,7 +315,8 @@ class FederatedRun:
             t0 = time.time()
             config = ConfigRecord(self.client_config)
             bytes_down = self.bytes_down()
-            replies = send_and_receive(grid, strategy.configure_train(rnd, self.arrays, config, grid), timeout)
+            messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
+            replies = send_and_receive(grid, messages, timeout)
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             client_metrics = reply_metrics(replies)
             self.privacy.record_spending(client_metrics)
@@ -328,9 +329,11 @@ class FederatedRun:
             if new_arrays is not None:
                 self.arrays = new_arrays
             fed_eval: MetricRecord | None = None
+            tasks = len(messages)
             if federated_eval:
-                eval_msgs = strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid)
+                eval_msgs = list(strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid))
                 fed_eval = strategy.aggregate_evaluate(rnd, send_and_receive(grid, eval_msgs, timeout))
+                tasks += len(eval_msgs)
             loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
             row = {
                 **self.timed_row(rnd, metrics, loss, time.time() - t0),
@@ -344,7 +347,7 @@ class FederatedRun:
                     train_metrics,
                     fed_eval,
                 ),
-                **traffic(bytes_down, [payload_bytes(r.content) for r in replies if not r.has_error()]),
+                **traffic(bytes_down, [payload_bytes(r.content) for r in replies if not r.has_error()], tasks),
             }
             self.finish_round(rnd, row)
             log.info(
@@ -364,10 +367,10 @@ class FederatedRun:
     def run_versions(self) -> None:
         strategy, cfg = self.strategy, self.cfg
         budget = cfg.federation.max_wall_time_s
-        last = time.time()
+        last, sent_before = time.time(), strategy.tasks_sent
 
         def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
-            nonlocal last
+            nonlocal last, sent_before
             self.privacy.record_spending(report.client_metrics)
             self.arrays = arrays
             v = report.version
@@ -376,9 +379,9 @@ class FederatedRun:
             row = {
                 **self.timed_row(v, metrics, loss, now - last),
                 **version_row(report, strategy.tasks_sent),
-                **traffic(self.bytes_down(), report.bytes_up),
+                **traffic(self.bytes_down(), report.bytes_up, strategy.tasks_sent - sent_before),
             }
-            last = now
+            last, sent_before = now, strategy.tasks_sent
             self.finish_round(v, row)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",

@@ -152,6 +152,9 @@ class RunRecorder:
             final_acc, best_acc = self._final_and_best("accuracy")
             summary["final_accuracy"] = final_acc
             summary["best_accuracy"] = best_acc["accuracy"] if best_acc is not None else None
+        if self.rows and all("bytes_up_total" in r for r in self.rows):  # central DP leaves them out
+            summary["bytes_up_total"] = sum(r["bytes_up_total"] for r in self.rows)
+            summary["bytes_down_total"] = sum(r["bytes_down_total"] for r in self.rows)
         summary |= {
             "rounds_completed": self.rows[-1]["round"] if self.rows else 0,
             "wall_time_s": wall_time_s,

@@ -30,6 +30,8 @@ EXACT_ROW_KEYS = (
     "applied",
     "staleness",
     "tasks_sent",
+    "bytes_down_total",
+    "bytes_up_total",
     "robust",
     "capped_weights",
     "train",
@@ -93,10 +95,17 @@ def round_row(
     }
 
 
-def traffic(bytes_down: int, bytes_up: list[int]) -> dict[str, Any]:
+def traffic(bytes_down: int, bytes_up: list[int], tasks: int) -> dict[str, Any]:
     """The array bytes of one task sent (`bytes_down`) and the mean of the replies received
-    (`bytes_up`, None without a reply): what `model.trainable` and compression save."""
-    return {"bytes_down": bytes_down, "bytes_up": round(sum(bytes_up) / len(bytes_up)) if bytes_up else None}
+    (`bytes_up`, None without a reply): what `model.trainable` and compression save; and the
+    step's totals, over its `tasks` messages sent and its replies (exact counts: central DP
+    leaves them out, as it does `num_sampled`)."""
+    return {
+        "bytes_down": bytes_down,
+        "bytes_up": round(sum(bytes_up) / len(bytes_up)) if bytes_up else None,
+        "bytes_down_total": bytes_down * tasks,
+        "bytes_up_total": sum(bytes_up),
+    }
 
 
 def version_row(report: VersionReport, tasks_sent: int) -> dict[str, Any]:
