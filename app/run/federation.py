@@ -418,8 +418,9 @@ class FederatedRun:
         """The final model's metrics when the last row did not evaluate it.
 
         A run can stop between evaluations (`federation.eval_every` > 1, e.g. at a
-        wall-clock budget) or, with FedBuff, before its first version (a wall-clock budget spent on the first tasks); it still reports
-        the model it ends with, the initial one if nothing was applied.
+        wall-clock budget) or, with FedBuff, before its first version (a budget spent on
+        the first tasks); it still reports the model it ends with, the initial one if
+        nothing was applied.
         """
         rows, primary = self.recorder.rows, self.task.primary
         if rows and rows[-1].get(primary) is not None:
