@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from flwr.app import Context, RecordDict
+from flwr.app import Context, Message, RecordDict
 
 from app.protocol import NUM_PARTITIONS, PARTITION_ID
 
@@ -28,6 +28,14 @@ def context_for(partition_id: int, num_partitions: int, node_config: dict | None
         state=RecordDict(),
         run_config={},
     )
+
+
+def reply_to_same_task(reply: Message) -> Message:
+    """A stand-in instruction message, so that a tampered reply keeps the original's routing
+    (its reply_to_message_id and destination)."""
+    ins = Message(RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type="train")
+    ins.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
+    return ins
 
 
 def load_script(name: str, folder: str = "scripts") -> ModuleType:

@@ -14,6 +14,7 @@ from app.compression.wire import RESIDUAL, pack, unpack, update_of
 from app.config.schema import CompressionConfig
 from app.run.results import read_rows
 from app.tools.in_process import run_in_process
+from tests.helpers import reply_to_same_task
 
 FAST = "federation.rounds=2 train.epochs=1 seed=3 "
 
@@ -89,9 +90,7 @@ def _corrupt(kind: str):  # noqa: ANN202
         content = RecordDict(
             {"arrays": ArrayRecord({k: Array(v) for k, v in parts.items()}), "metrics": reply.content["metrics"]}
         )
-        ins = Message(RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type="train")
-        ins.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
-        return Message(content, reply_to=ins)
+        return Message(content, reply_to=reply_to_same_task(reply))
 
     return tamper
 

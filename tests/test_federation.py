@@ -14,7 +14,7 @@ from app.run.results import read_rows
 from app.simulation.local_grid import InProcessGrid
 from app.task.data import DataSpec, spec_to_record
 from app.tools.in_process import run_in_process
-from tests.helpers import context_for
+from tests.helpers import context_for, reply_to_same_task
 
 FAST = "federation.rounds={rounds} train.epochs=2 seed=3"
 
@@ -113,11 +113,13 @@ def test_malicious_and_broken_nodes_are_rejected_and_logged(tmp_path):
                         "metrics": reply.content["metrics"],
                     }
                 ),
-                reply_to=_ins(reply),
+                reply_to=reply_to_same_task(reply),
             )
         if node_id == 1001:  # claims no examples
             metrics = MetricRecord({**reply.content["metrics"], "num-examples": 0})
-            return Message(RecordDict({"arrays": reply.content["arrays"], "metrics": metrics}), reply_to=_ins(reply))
+            return Message(
+                RecordDict({"arrays": reply.content["arrays"], "metrics": metrics}), reply_to=reply_to_same_task(reply)
+            )
         return reply
 
     summary = run_in_process(FAST.format(rounds=2), tmp_path, nodes=4, tamper=tamper)[0]
@@ -126,13 +128,6 @@ def test_malicious_and_broken_nodes_are_rejected_and_logged(tmp_path):
         reasons = {r["node_id"]: r["reason"] for r in row["rejected"]}
         assert "non-finite" in reasons[1000] and "num-examples" in reasons[1001]
     assert summary["final_accuracy"] > 0.3
-
-
-def _ins(reply: Message) -> Message:
-    """A stand-in instruction message so a tampered reply keeps the original routing."""
-    ins = Message(RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type="train")
-    ins.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
-    return ins
 
 
 def test_round_without_valid_replies_keeps_the_model(tmp_path):
