@@ -3,16 +3,18 @@ and every strategy and privacy mode aggregates ordinary models (app/compression/
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common.serde import message_to_proto
 
-from app.compression.codecs import decode, encode
-from app.compression.wire import RESIDUAL, pack, unpack, update_of
+from app.client_app import app as client_app
+from app.compression.codecs import decode, encode, unbundle
+from app.compression.wire import PAYLOAD, RESIDUAL, pack, unpack, update_of
+from app.config.compose import load_config
 from app.config.schema import CompressionConfig
 from app.run.results import read_rows
+from app.simulation.local_grid import InProcessGrid
 from app.tools.in_process import run_in_process
 from tests.helpers import reply_to_same_task
 
@@ -71,28 +73,35 @@ def test_the_server_aggregates_what_the_nodes_sent(tmp_path):
     assert rows[-1]["bytes_up"] < rows[-1]["bytes_down"] / 1.9
 
 
-def _corrupt(kind: str):  # noqa: ANN202
+def _corrupt(kind: str, overrides: str):  # noqa: ANN202
+    """A grid whose node 1000 sends a malformed payload of `kind` (built from its real reply)."""
+    cfg = load_config(overrides)[0].compression
+    settings = {"ratio": cfg.ratio, "quantize_values": cfg.quantize_values}
+
     def tamper(node_id: int, reply: Message) -> Message:
         if node_id != 1000:
             return reply
-        parts = {k: a.numpy().copy() for k, a in reply.content["arrays"].items()}
-        key = next(k for k in parts if k.endswith("/idx") or k.endswith("/scale") or k.endswith("/q"))
+        task = next(m for m in grid.pushed if m.metadata.message_id == reply.metadata.reply_to_message_id)
+        like = task.content["arrays"].to_torch_state_dict()
+        payload = torch.from_numpy(reply.content["arrays"][PAYLOAD].numpy().copy())
+        parts = unbundle(payload, like, cfg.name, **settings)  # views into payload: edits land there
+        arrays = {PAYLOAD: payload}
         if kind == "index_out_of_range":
-            idx_key = next(k for k in parts if k.endswith("/idx"))
-            parts[idx_key][-1] = np.iinfo(parts[idx_key].dtype).max
+            idx = next(t for k, t in parts.items() if k.endswith("/idx"))
+            idx[-1] = torch.iinfo(idx.dtype).max if idx.dtype != torch.uint16 else 65535
         elif kind == "nan_scale":
-            scale_key = next(k for k in parts if k.endswith("/scale"))
-            parts[scale_key][0] = np.nan
+            next(t for k, t in parts.items() if k.endswith("/scale"))[0] = float("nan")
         elif kind == "wrong_size":
-            parts[key] = parts[key][:-1]
-        elif kind == "missing_part":
-            del parts[key]
-        content = RecordDict(
-            {"arrays": ArrayRecord({k: Array(v) for k, v in parts.items()}), "metrics": reply.content["metrics"]}
+            arrays[PAYLOAD] = payload[:-1]
+        elif kind == "extra_array":
+            arrays["more"] = payload[:8]
+        record = ArrayRecord({k: Array(v.numpy()) for k, v in arrays.items()})
+        return Message(
+            RecordDict({"arrays": record, "metrics": reply.content["metrics"]}), reply_to=reply_to_same_task(reply)
         )
-        return Message(content, reply_to=reply_to_same_task(reply))
 
-    return tamper
+    grid = InProcessGrid(client_app, 3, tamper=tamper)
+    return grid
 
 
 @pytest.mark.parametrize(
@@ -100,12 +109,12 @@ def _corrupt(kind: str):  # noqa: ANN202
     [
         ("index_out_of_range", "compression=topk compression.ratio=0.05", "out of range"),
         ("nan_scale", "compression=int8", "scale"),
-        ("wrong_size", "compression=int8", "shape"),
-        ("missing_part", "compression=topk compression.quantize_values=true", "missing"),
+        ("wrong_size", "compression=int8", "bytes, expected"),
+        ("extra_array", "compression=topk compression.quantize_values=true", "expected one array"),
     ],
 )
 def test_a_malformed_compressed_reply_is_rejected_with_its_node_and_the_round_goes_on(tmp_path, kind, mode, words):
-    summary, rows, _ = _run(mode, tmp_path, tamper=_corrupt(kind))
+    summary, rows, _ = _run(mode, tmp_path, grid=_corrupt(kind, FAST + mode))
     assert summary["status"] == "completed"
     for row in rows:
         assert row["num_clients"] == 2 and row["num_rejected"] == 1 and row["model_updated"]

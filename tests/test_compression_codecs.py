@@ -12,7 +12,16 @@ import torch
 from flwr.app import ArrayRecord
 
 from app.compression import codecs
-from app.compression.codecs import MODES, MalformedPayload, decode, encode, payload_nbytes, topk_count
+from app.compression.codecs import (
+    MODES,
+    MalformedPayload,
+    bundle,
+    decode,
+    encode,
+    payload_nbytes,
+    topk_count,
+    unbundle,
+)
 
 SETTINGS = [(mode, False) for mode in MODES] + [("topk", True)]  # (mode, quantize_values)
 FP16_MAX = 65504.0
@@ -350,6 +359,25 @@ def test_parts_survive_an_array_record(mode, quantize_values):
     received = decode(shipped, update, mode, ratio=0.05, quantize_values=quantize_values)
     for key in update:
         assert torch.equal(direct[key], received[key]), key
+
+
+@pytest.mark.parametrize("mode, quantize_values", SETTINGS)
+def test_one_bundled_array_carries_the_parts_whatever_the_dict_order(mode, quantize_values):
+    update, kw = _model_update(), {"ratio": 0.05, "quantize_values": quantize_values}
+    parts = encode(update, mode, generator=_gen(20), **kw)
+    payload = bundle(parts, update, mode, **kw)
+    assert payload.dtype == torch.uint8 and payload.numel() == payload_nbytes(parts)
+    shuffled = dict(reversed(list(update.items())))  # the server's dict may list keys in another order
+    assert torch.equal(bundle(dict(reversed(list(parts.items()))), shuffled, mode, **kw), payload)
+    shipped = torch.from_numpy(ArrayRecord({"p": payload}).to_torch_state_dict()["p"].numpy())
+    back = unbundle(shipped, shuffled, mode, **kw)
+    assert back.keys() == parts.keys()
+    for name, t in parts.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert torch.equal(back[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    for bad in (payload[:-1], torch.cat([payload, payload[:1]]), payload.view(1, -1), payload.to(torch.int16)):
+        with pytest.raises(MalformedPayload, match="payload"):
+            unbundle(bad, update, mode, **kw)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from app.compression.codecs import MalformedPayload, decode, encode, with_error_feedback
+from app.compression.codecs import MalformedPayload, bundle, decode, encode, unbundle, with_error_feedback
 from app.config.schema import CompressionConfig
 
+PAYLOAD = "compressed"  # the reply's one array: every part of the encoded update (codecs.bundle)
 RESIDUAL = "compression-residual"  # ArrayRecord in the node's Context state: what error feedback carries over
 
 TensorDict = dict[str, torch.Tensor]
@@ -57,7 +58,7 @@ def pack(
         state[RESIDUAL] = ArrayRecord({k: v.detach().cpu() for k, v in residual.items()})
     else:
         parts = encode(update, cfg.name, generator=generator, **settings)
-    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in parts.items()})
+    return ArrayRecord({PAYLOAD: bundle(parts, update, cfg.name, **settings).cpu()})
 
 
 def unpack(record: ArrayRecord, base: TensorDict, cfg: CompressionConfig) -> TensorDict:
@@ -66,11 +67,12 @@ def unpack(record: ArrayRecord, base: TensorDict, cfg: CompressionConfig) -> Ten
     Raises MalformedPayload (a ValueError) naming the part and the problem for anything that is not
     a well-formed encoding of an update of `base`'s shapes: the bytes come from an untrusted node.
     """
-    parts = {}
-    for key, array in record.items():
-        try:
-            parts[key] = torch.from_numpy(array.numpy())
-        except Exception as err:  # noqa: BLE001 - whatever a hostile .npy makes numpy raise, it is malformed
-            raise MalformedPayload(f"{key}: not an array ({err})") from None
-    update = decode(parts, base, cfg.name, ratio=cfg.ratio, quantize_values=cfg.quantize_values)
+    if list(record.keys()) != [PAYLOAD]:
+        raise MalformedPayload(f"expected one array named {PAYLOAD!r}, got {sorted(record.keys())[:5]}")
+    try:
+        payload = torch.from_numpy(record[PAYLOAD].numpy())
+    except Exception as err:  # noqa: BLE001 - whatever a hostile .npy makes numpy raise, it is malformed
+        raise MalformedPayload(f"{PAYLOAD}: not an array ({err})") from None
+    settings = {"ratio": cfg.ratio, "quantize_values": cfg.quantize_values}
+    update = decode(unbundle(payload, base, cfg.name, **settings), base, cfg.name, **settings)
     return {k: base[k] + u if u.dtype.is_floating_point else u for k, u in update.items()}
