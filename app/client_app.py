@@ -26,6 +26,7 @@ from app.protocol import (
     ARRAYS,
     CONFIG,
     DATA_PATH,
+    DOWNLINK,
     EVAL_LOSS,
     EVAL_PREFIX,
     FROZEN,
@@ -140,14 +141,26 @@ def prepare_job(msg: Message, context: Context) -> Job:
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
-    arrays = msg.content[ARRAYS].to_torch_state_dict()
     frozen = msg.content[FROZEN].to_torch_state_dict() if FROZEN in msg.content else {}
+    arrays = received_model(msg, context, {k: v for k, v in model.state_dict().items() if k not in frozen}, settings)
     model.load_state_dict({**frozen, **arrays})  # strict: together they are the whole model
     images = len(spec.input_shape) == 3
     precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
     task = Task.from_config(settings.task, spec)
     model = prepare_model(model, precision)
     return Job(record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap)
+
+
+def received_model(
+    msg: Message, context: Context, like: dict[str, torch.Tensor], settings: ClientSettings
+) -> dict[str, torch.Tensor]:
+    """The global model's trainable tensors as the task carries them: as they are, or encoded
+    (`compression.downlink`; `like` gives names, shapes and dtypes, the node's state a delta's base)."""
+    if DOWNLINK not in msg.content[CONFIG]:
+        return msg.content[ARRAYS].to_torch_state_dict()
+    from app.compression.downlink import receive  # imported here: most runs send the model as it is
+
+    return receive(msg.content[ARRAYS], msg.content[CONFIG], context.state, like, settings.compression)
 
 
 def released(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
@@ -200,8 +213,8 @@ def reply_arrays(
     noise: compression is post-processing) on the training device, error feedback kept in the
     node's state; the encoding time goes into `metrics` (`encode-s`)."""
     cfg = job.settings.compression
-    if cfg.name == "none":
-        return ArrayRecord(state)
+    if cfg.name == "none" and cfg.downlink == "none":
+        return ArrayRecord(state)  # with a downlink the update is sent (exactly): the server adds it to its fp32 model
     from app.compression.wire import pack  # imported here: most runs send the model as it is
 
     started = time.perf_counter()

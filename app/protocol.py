@@ -42,6 +42,10 @@ DATA_PATH = "data-path"
 TRAIN_METRICS = ("train-loss", "train-accuracy", "samples-per-s")  # left out under local DP unless report_exact
 EVAL_LOSS = "eval-loss"
 EVAL_PREFIX = "eval-"  # federated evaluation: eval-<metric name> for each of task.metrics
+# a training task's ConfigRecord with compression.downlink (app/compression/downlink.py); absent: the model as it is
+DOWNLINK = "downlink"  # "fp16", "full" (the model, and the start of a delta chain) or "delta"
+DOWNLINK_BASE = "downlink-base"  # delta: the id of the copy the node must hold
+DOWNLINK_ID = "downlink-id"  # full and delta: the id of the copy the node holds after this task
 
 
 CLIENT_SECTIONS = {

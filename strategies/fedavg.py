@@ -37,7 +37,7 @@ from strategies.replies import (
     weighted_metrics,
 )
 from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, stage, tensors_to_record, weighted_mean
-from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
+from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND, Downlink
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -127,6 +127,7 @@ class FedAvg(Strategy):
         self.device = torch.device(device)
         self.weight_cap = weight_cap
         self.unpack: Unpack | None = None  # a compressed uplink's decoder (set by the app); None: dense replies
+        self.downlink: Downlink | None = None  # how train tasks carry the model (set by the app); None: as it is
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self._specs: dict[str, ArraySpec] = {}
@@ -194,11 +195,16 @@ class FedAvg(Strategy):
         config[SERVER_ROUND] = server_round
         content = task_content(arrays, config, self.frozen)
         per_node = self.node_config if kind == MessageType.TRAIN else None
+        downlink = self.downlink if kind == MessageType.TRAIN else None
         connected = set(grid.get_node_ids()) if per_node is not None else set()
 
         def content_for(node: int) -> RecordDict:
             extra = per_node(node, connected) if per_node is not None else {}
-            return task_content(arrays, ConfigRecord({**config, **extra}), self.frozen) if extra else content
+            sent = arrays
+            if downlink is not None:
+                sent, entries = downlink.task(node, self._global, arrays)
+                extra = {**extra, **entries}
+            return task_content(sent, ConfigRecord({**config, **extra}), self.frozen) if extra else content
 
         return [
             Message(
@@ -272,6 +278,12 @@ class FedAvg(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        if self.downlink is not None:
+            sent = _destinations(self._sent_train)
+            answered = {sent.get(r.metadata.reply_to_message_id) for r in replies if not r.has_error()}
+            for node in sent.values():
+                self.downlink.settle(node, node in answered)
         screened = screen_replies(
             replies,
             self._specs,

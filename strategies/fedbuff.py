@@ -54,7 +54,7 @@ from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
-from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK
+from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK, Downlink
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -80,6 +80,7 @@ class VersionReport:
     robust: dict[str, Any] | None = None  # the robust buffer rule's picks
     metrics: MetricRecord | None = None  # clients' training metrics, weighted
     bytes_up: list[int] = field(default_factory=list)  # each reply's array bytes since the previous version
+    bytes_down: list[int] = field(default_factory=list)  # each task's array bytes since the previous version
     # Every successful reply's metrics since the previous version, whatever became of its update
     # (discarded stale, rejected, excluded by a robust rule): a local-DP client's ε is spent either way.
     client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)
@@ -181,6 +182,7 @@ class FedBuff(Strategy):
         self.device = torch.device(device)
         self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.run.federation
         self.unpack: Unpack | None = None  # as FedAvg.unpack: a compressed uplink's decoder
+        self.downlink: Downlink | None = None  # as FedAvg.downlink: how tasks carry the model
         self.version = 0
         self.tasks_sent = 0
         self.discarded_total = 0
@@ -277,8 +279,12 @@ class FedBuff(Strategy):
         for node in random.sample(idle, free) if free > 0 else []:
             self.tasks_sent += 1
             extra = self.node_config(node, connected) if self.node_config is not None else {}  # as FedAvg.node_config
+            sent = arrays
+            if self.downlink is not None:
+                sent, entries = self.downlink.task(node, self._models[self.version], arrays)
+                extra = {**extra, **entries}
             cfg = ConfigRecord({**config, SERVER_ROUND: server_round, TASK: self.tasks_sent, **extra})
-            content = task_content(arrays, cfg, self.frozen)
+            content = task_content(sent, cfg, self.frozen)
             messages.append(
                 Message(content, node, MessageType.TRAIN, ttl=self.message_ttl_s, group_id=str(server_round))
             )
@@ -301,6 +307,7 @@ class FedBuff(Strategy):
         deadline = time.monotonic() + self.message_ttl_s + self.deadline_grace_s
         for msg, mid in zip(messages, grid.push_messages(messages), strict=True):
             self.in_flight[mid] = InFlight(msg.metadata.dst_node_id, self.version, deadline)
+            self.report.bytes_down.append(payload_bytes(msg.content))
 
     # --- receiving -----------------------------------------------------------------
     def receive(self, reply: Message) -> None:
@@ -309,6 +316,8 @@ class FedBuff(Strategy):
         if task is None:  # not ours, or given up already
             return
         node = task.node_id
+        if self.downlink is not None:
+            self.downlink.settle(node, not reply.has_error())
         if reply.has_error():
             self.report.failed.append(Rejection(node, f"error reply (code {reply.error.code}): {reply.error.reason}"))
             log.warning("node %s: training task failed: %s", node, reply.error.reason)
@@ -358,6 +367,8 @@ class FedBuff(Strategy):
         for mid, task in list(self.in_flight.items()):
             if now > task.deadline:
                 del self.in_flight[mid]
+                if self.downlink is not None:
+                    self.downlink.settle(task.node_id, False)
                 self.report.failed.append(Rejection(task.node_id, "no reply before the message TTL"))
                 log.warning("node %s: no reply within %.0f s; task given up", task.node_id, self.message_ttl_s)
 

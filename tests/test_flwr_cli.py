@@ -161,13 +161,13 @@ def test_flwr_run_bad_override_fails_without_training(flwr_env: dict[str, str], 
 
 def test_flwr_run_fedbuff_with_stragglers(flwr_env: dict[str, str], tmp_path: Path) -> None:
     """The asynchronous loop under Flower's simulation runtime (push/pull through a real SuperLink),
-    with a compressed uplink (topk, int8 values)."""
+    with a compressed uplink (topk, int8 values) and downlink (deltas after each node's first task)."""
     out_dir = tmp_path / "runs"
     code, out, run_id = flwr_run(
         flwr_env,
         out_dir,
         "strategy=fedbuff strategy.buffer_size=3 stragglers=lognormal federation.rounds=4 "
-        "compression=topk compression.ratio=0.05 compression.quantize_values=true",
+        "compression=topk compression.ratio=0.05 compression.quantize_values=true compression.downlink=delta",
     )
     assert code == 0 and run_id, out[-4000:]
     assert run_status(flwr_env, run_id)["status"] == "finished:completed", out[-4000:]
@@ -177,7 +177,9 @@ def test_flwr_run_fedbuff_with_stragglers(flwr_env: dict[str, str], tmp_path: Pa
     rows = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     assert all(len(r["staleness"]) == r["num_clients"] == 3 for r in rows), rows
-    assert all(r["num_rejected"] == 0 and 0 < r["bytes_up"] < r["bytes_down"] / 10 for r in rows), rows
+    full = rows[0]["bytes_down"]  # the first tasks carry the whole model: no node holds a copy yet
+    assert all(r["num_rejected"] == 0 and 0 < r["bytes_up"] < full / 10 for r in rows), rows
+    assert sum(r["bytes_down_total"] for r in rows) < summary["fedbuff"]["tasks_sent"] * full / 2, rows
     assert len(summary["stragglers"]["slowdown_per_partition"]) == 3
 
 

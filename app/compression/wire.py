@@ -22,7 +22,7 @@ from flwr.app import ArrayRecord, RecordDict
 from app.compression.codecs import MalformedPayload, bundle, decode, encode, unbundle, with_error_feedback
 from app.config.schema import CompressionConfig
 
-PAYLOAD = "compressed"  # the reply's one array: every part of the encoded update (codecs.bundle)
+PAYLOAD = "compressed"  # the one array of an encoded reply or task: all its parts (codecs.bundle)
 RESIDUAL = "compression-residual"  # ArrayRecord in the node's Context state: what error feedback carries over
 
 TensorDict = dict[str, torch.Tensor]
@@ -50,7 +50,7 @@ def pack(
     """
     update = update_of(trained, received)
     settings = {"ratio": cfg.ratio, "quantize_values": cfg.quantize_values}
-    if cfg.error_feedback:
+    if cfg.error_feedback and cfg.name != "none":  # none (an update for a compressed downlink) is exact
         residual = state[RESIDUAL].to_torch_state_dict() if RESIDUAL in state else None
         if residual is not None and residual.keys() != {k for k, t in update.items() if t.dtype.is_floating_point}:
             residual = None  # another model (model.trainable changed): the old remainder does not apply

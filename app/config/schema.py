@@ -20,6 +20,7 @@ STRAGGLERS = ("none", "fixed", "lognormal")
 PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = POLICIES
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codecs.py
+DOWNLINKS = ("none", "fp16", "delta")  # app/compression/downlink.py
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
@@ -147,12 +148,14 @@ class AttackConfig:
 
 @dataclass(unsafe_hash=True)
 class CompressionConfig:
-    """How a reply's update crosses the link (app/compression/)."""
+    """How updates and models cross the link (app/compression/)."""
 
     name: str = "none"  # none | fp16 | bf16 | int8 | topk: the reply's update (trained - received model)
     ratio: float = 0.01  # topk: the fraction of each tensor's entries sent
     quantize_values: bool = False  # topk: the kept values in int8 (else float32)
     error_feedback: bool = True  # what was not sent is added to the node's next update
+    downlink: str = "none"  # none | fp16 | delta (from the node's last copy, with `name`'s codec)
+    downlink_nodes: int = 64  # delta: the server keeps the copies of this many nodes (each a model's size)
 
 
 @dataclass(unsafe_hash=True)

@@ -16,6 +16,7 @@ from app.config.schema import (
     CHANNELS_LAST_MODES,
     COMPRESSIONS,
     DATASETS,
+    DOWNLINKS,
     MODELS,
     OPTIMIZERS,
     PARTITIONS,
@@ -90,6 +91,16 @@ def validate(cfg: Config) -> Config:
     c = cfg.compression
     _one_of("compression.name", c.name, COMPRESSIONS)
     _require(0 < c.ratio <= 1, "compression.ratio", c.ratio, "must be in (0, 1]: the fraction of entries sent")
+    _one_of("compression.downlink", c.downlink, DOWNLINKS)
+    _require(c.downlink_nodes >= 1, "compression.downlink_nodes", c.downlink_nodes, "must be >= 1")
+    if c.downlink == "delta":
+        _require(
+            c.name != "none",
+            "compression.downlink",
+            c.downlink,
+            "delta encodes the model's change with compression.name's codec; set compression=int8 (or fp16, "
+            "bf16, topk), or use compression.downlink=fp16",
+        )
 
     _validate_privacy(cfg)
 

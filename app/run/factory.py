@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from flwr.app import MessageType, MetricRecord
 
+from app.compression.downlink import Downlink
 from app.compression.wire import unpack
 from app.config.schema import ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
 from app.protocol import PARTITION_ID
@@ -157,10 +158,16 @@ def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> W
 
 
 def uplink_decoder(cfg: CompressionConfig) -> Unpack | None:
-    """How the strategy gets a node's model from a compressed reply (None: replies carry the model)."""
-    if cfg.name == "none":
+    """How the strategy gets a node's model from a compressed reply (None: replies carry the model).
+    With a compressed downlink replies are updates even when `name` is none (sent exactly)."""
+    if cfg.name == "none" and cfg.downlink == "none":
         return None
     return functools.partial(unpack, cfg=cfg)
+
+
+def downlink_encoder(cfg: CompressionConfig, seed: int) -> Downlink | None:
+    """How the strategy's training tasks carry the global model (None: as it is)."""
+    return Downlink(cfg, seed) if cfg.downlink != "none" else None
 
 
 def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> None:

@@ -25,7 +25,15 @@ from omegaconf import DictConfig
 from app.config.schema import Config, ConfigError
 from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.run.factory import build_strategy, check_cohort, example_cap, global_model, run_privacy, uplink_decoder
+from app.run.factory import (
+    build_strategy,
+    check_cohort,
+    downlink_encoder,
+    example_cap,
+    global_model,
+    run_privacy,
+    uplink_decoder,
+)
 from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
@@ -35,7 +43,6 @@ from app.task.metrics import Task
 from app.task.models import model_key, trainable_keys
 from app.task.training import evaluate, model_inputs, resolve_device, resolve_precision
 from strategies.central_dp import PrivacyBudgetExhausted
-from strategies.fedavg import task_content
 from strategies.fedbuff import VersionReport
 from strategies.partitions import PartitionBinding
 from strategies.replies import payload_bytes
@@ -136,6 +143,7 @@ class FederatedRun:
         self.strategy = build_strategy(cfg, self.device)
         self.strategy.frozen = self.frozen
         self.strategy.unpack = uplink_decoder(cfg.compression)
+        self.strategy.downlink = downlink_encoder(cfg.compression, cfg.seed)
         self.first_round, self.elapsed_before = 1, 0.0
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
@@ -226,10 +234,6 @@ class FederatedRun:
         frozen = self.frozen.to_torch_state_dict() if self.frozen is not None else {}
         return {**frozen, **arrays.to_torch_state_dict()}
 
-    def bytes_down(self) -> int:
-        """The array bytes of one training task (model and frozen tensors)."""
-        return payload_bytes(task_content(self.arrays, ConfigRecord(), self.frozen))
-
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.started
 
@@ -314,7 +318,6 @@ class FederatedRun:
         for rnd in range(self.first_round, cfg.federation.rounds + 1):
             t0 = time.time()
             config = ConfigRecord(self.client_config)
-            bytes_down = self.bytes_down()
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
             replies = send_and_receive(grid, messages, timeout)
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
@@ -329,11 +332,11 @@ class FederatedRun:
             if new_arrays is not None:
                 self.arrays = new_arrays
             fed_eval: MetricRecord | None = None
-            tasks = len(messages)
+            tasks = list(messages)
             if federated_eval:
                 eval_msgs = list(strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid))
                 fed_eval = strategy.aggregate_evaluate(rnd, send_and_receive(grid, eval_msgs, timeout))
-                tasks += len(eval_msgs)
+                tasks += eval_msgs
             loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
             row = {
                 **self.timed_row(rnd, metrics, loss, time.time() - t0),
@@ -347,7 +350,10 @@ class FederatedRun:
                     train_metrics,
                     fed_eval,
                 ),
-                **traffic(bytes_down, [payload_bytes(r.content) for r in replies if not r.has_error()], tasks),
+                **traffic(
+                    [payload_bytes(m.content) for m in tasks],
+                    [payload_bytes(r.content) for r in replies if not r.has_error()],
+                ),
             }
             self.finish_round(rnd, row)
             log.info(
@@ -379,7 +385,7 @@ class FederatedRun:
             row = {
                 **self.timed_row(v, metrics, loss, now - last),
                 **version_row(report, strategy.tasks_sent),
-                **traffic(self.bytes_down(), report.bytes_up, strategy.tasks_sent - sent_before),
+                **traffic(report.bytes_down, report.bytes_up),
             }
             last, sent_before = now, strategy.tasks_sent
             self.finish_round(v, row)

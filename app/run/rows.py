@@ -95,15 +95,14 @@ def round_row(
     }
 
 
-def traffic(bytes_down: int, bytes_up: list[int], tasks: int) -> dict[str, Any]:
-    """The array bytes of one task sent (`bytes_down`) and the mean of the replies received
-    (`bytes_up`, None without a reply): what `model.trainable` and compression save; and the
-    step's totals, over its `tasks` messages sent and its replies (exact counts: central DP
-    leaves them out, as it does `num_sampled`)."""
+def traffic(bytes_down: list[int], bytes_up: list[int]) -> dict[str, Any]:
+    """The mean array bytes of the step's tasks sent (`bytes_down`) and replies received (`bytes_up`;
+    None without any): what `model.trainable` and compression save; and their totals (exact
+    counts: central DP leaves them out, as it does `num_sampled`)."""
     return {
-        "bytes_down": bytes_down,
+        "bytes_down": round(sum(bytes_down) / len(bytes_down)) if bytes_down else None,
         "bytes_up": round(sum(bytes_up) / len(bytes_up)) if bytes_up else None,
-        "bytes_down_total": bytes_down * tasks,
+        "bytes_down_total": sum(bytes_down),
         "bytes_up_total": sum(bytes_up),
     }
 
