@@ -35,6 +35,7 @@ from app.protocol import (
     NUM_PARTITIONS,
     PARTITION_ID,
     SERVER_ROUND,
+    STATE_DIR,
     TASK,
     TRAIN_METRICS,
     ClientSettings,
@@ -215,12 +216,14 @@ def reply_arrays(
     cfg = job.settings.compression
     if cfg.name == "none" and cfg.downlink == "none":
         return ArrayRecord(state)  # with a downlink the update is sent (exactly): the server adds it to its fp32 model
-    from app.compression.wire import pack  # imported here: most runs send the model as it is
+    from app.compression.wire import pack, residual_file  # imported here: most runs send the model as it is
 
     started = time.perf_counter()
     device = job.precision.device
     on_device = {k: v.to(device) for k, v in state.items()}
-    arrays = pack(on_device, job.received, cfg, context.state, torch.Generator(device).manual_seed(seed))
+    state_dir = str(context.node_config.get(STATE_DIR, "") or "")
+    saved = residual_file(state_dir, context.run_id) if state_dir else None
+    arrays = pack(on_device, job.received, cfg, context.state, torch.Generator(device).manual_seed(seed), saved)
     metrics["encode-s"] = time.perf_counter() - started
     return arrays
 

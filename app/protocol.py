@@ -38,6 +38,7 @@ from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports
 # node_config of a SuperNode: a simulated partition (PARTITION_ID of NUM_PARTITIONS), or a deployed node's own data
 NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
+STATE_DIR = "state-dir"  # node_config: where a node keeps what must outlive a restart (error feedback's residual)
 # reply metrics
 TRAIN_METRICS = ("train-loss", "train-accuracy", "samples-per-s")  # left out under local DP unless report_exact
 EVAL_LOSS = "eval-loss"

@@ -37,11 +37,17 @@ from app.compression.codecs import decode, encode  # noqa: E402
 MODES = {
     "none": "compression=none",
     "fp16": "compression=fp16",
+    "bf16": "compression=bf16",
     "int8": "compression=int8",
     "topk-10%": "compression=topk compression.ratio=0.1",
     "topk-1%": "compression=topk compression.ratio=0.01",
     "topk-1%-int8": "compression=topk compression.ratio=0.01 compression.quantize_values=true",
     "topk-1%-no-feedback": "compression=topk compression.ratio=0.01 compression.error_feedback=false",
+    "topk-10%-no-feedback": "compression=topk compression.ratio=0.1 compression.error_feedback=false",
+    # the downlink as well: tasks in half precision, or as deltas from each node's copy
+    "none+down-fp16": "compression=none compression.downlink=fp16",
+    "int8+down-delta": "compression=int8 compression.downlink=delta",
+    "topk-10%+down-delta": "compression=topk compression.ratio=0.1 compression.downlink=delta",
 }
 
 
@@ -116,8 +122,9 @@ def table(results: list[dict]) -> str:
     reference = by_mode.get("none")
     up0 = sum(r["bytes_up"] for r in reference) / len(reference) if reference else None
     lines = [
-        "| mode | bytes up a reply | fewer than none | final accuracy % | best % | first round at target |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| mode | bytes up a reply | fewer than none | bytes down a task | final accuracy % | best % "
+        "| first round at target |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, runs in by_mode.items():
         up = sum(r["bytes_up"] for r in runs) / len(runs)
@@ -126,7 +133,8 @@ def table(results: list[dict]) -> str:
         first = [r["first_at_target"] for r in runs]
         factor = f"{up0 / up:.2f}x" if up0 else "–"
         reached = ", ".join("–" if f is None else str(f) for f in first)
-        lines.append(f"| {mode} | {up:,.0f} | {factor} | {final:.1f} | {best:.1f} | {reached} |")
+        down = sum(r["bytes_down"] for r in runs) / len(runs)
+        lines.append(f"| {mode} | {up:,.0f} | {factor} | {down:,.0f} | {final:.1f} | {best:.1f} | {reached} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from flwr.common.serde import message_to_proto
 
 from app.client_app import app as client_app
 from app.compression.codecs import decode, encode, unbundle
-from app.compression.wire import PAYLOAD, RESIDUAL, pack, unpack, update_of
+from app.compression.wire import PAYLOAD, RESIDUAL, pack, residual_file, unpack, update_of
 from app.config.compose import load_config
 from app.config.schema import CompressionConfig
 from app.run.results import read_rows
@@ -153,6 +153,30 @@ def test_error_feedback_keeps_the_residual_in_the_node_state_and_sends_it_later(
     residual = state[RESIDUAL].to_torch_state_dict()
     torch.testing.assert_close(total_sent + residual["w"], total_true, rtol=0, atol=1e-5)
     assert residual["w"].abs().sum() > 0  # topk left something for later
+
+
+def test_the_residual_survives_a_restart_with_a_state_directory(tmp_path):
+    """A node that restarts (a new, empty Context state) picks its residual up from its state
+    directory, so the sum of what it sent still equals the sum of its true updates; without a
+    directory it starts again from zero and that remainder is lost."""
+    cfg = CompressionConfig(name="topk", ratio=0.05)
+    gen = torch.Generator().manual_seed(1)
+    base = {"w": torch.randn(40, 30, generator=gen)}
+    saved = residual_file(str(tmp_path / "state"), run_id=7)
+    totals = {}
+    for directory in (saved, None):
+        state, total_true, total_sent = RecordDict(), torch.zeros(40, 30), torch.zeros(40, 30)
+        g = torch.Generator().manual_seed(2)
+        for step in range(6):
+            if step == 3:
+                state = RecordDict()  # the SuperNode restarted: its Context state is new
+            trained = {"w": base["w"] + 0.01 * torch.randn(40, 30, generator=g)}
+            total_true += trained["w"] - base["w"]
+            total_sent += unpack(pack(trained, base, cfg, state, saved=directory), base, cfg)["w"] - base["w"]
+        totals[directory] = (total_true - total_sent - state[RESIDUAL].to_torch_state_dict()["w"]).abs().max()
+    assert totals[saved] < 1e-5  # nothing lost across the restart
+    assert totals[None] > 1e-3  # the remainder before the restart is gone
+    assert sorted(p.name for p in saved.parent.iterdir()) == [saved.name]  # no temporary file left behind
 
 
 def test_update_of_is_the_difference_for_floats_and_the_value_otherwise():

@@ -92,7 +92,7 @@ ALLOWED = {
     "strategies": ("strategies",),
     "app.config": ("app.config", "strategies"),
     "app.protocol": ("app.config", "strategies"),
-    "app.compression": ("app.compression", "app.config"),
+    "app.compression": ("app.compression", "app.config", "app.protocol"),
     "app.task": ("app.task", "app.config", "app.protocol", "strategies"),
     "app.simulation": ("app.simulation", "app.config", "app.protocol", "app.task", "strategies"),
     "app.privacy": ("app.privacy", "app.config", "app.protocol", "app.task", "strategies"),

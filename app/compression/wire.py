@@ -9,12 +9,17 @@ so every strategy, robust rule and central-DP clip sees an ordinary dense model.
 
 Error feedback keeps what a lossy encoding did not carry (the residual) in the node's Context
 state and adds it to the node's next update. The state lives as long as the node process keeps
-the run's Context: a restarted SuperNode, or a simulation node whose Context was dropped, starts
-again from a zero residual (the updates it sent stay correct; only the not-yet-sent remainder is
-lost).
+the run's Context. A node with a state directory (node config `state-dir`) also writes the
+residual there after every update, so a restarted SuperNode picks it up again; without one, a
+restarted node starts again from a zero residual (the updates it sent stay correct; only the
+not-yet-sent remainder is lost).
 """
 
 from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, RecordDict
@@ -26,6 +31,31 @@ PAYLOAD = "compressed"  # the one array of an encoded reply or task: all its par
 RESIDUAL = "compression-residual"  # ArrayRecord in the node's Context state: what error feedback carries over
 
 TensorDict = dict[str, torch.Tensor]
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+
+def residual_file(state_dir: str, run_id: int) -> Path:
+    """Where a node with a state directory keeps its residual for run `run_id`."""
+    return Path(state_dir) / f"compression-residual-run{run_id}.pt"
+
+
+def _load_residual(path: Path) -> TensorDict | None:
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - a torn or foreign file: start from zero, as without one
+        log.warning("%s: cannot read the saved residual (%s); starting from zero", path, err)
+        return None
+
+
+def _save_residual(path: Path, residual: TensorDict) -> None:
+    """Written to a temporary file and renamed: a crash mid-write leaves the previous residual."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({k: v.detach().cpu() for k, v in residual.items()}, tmp)
+    os.replace(tmp, path)
 
 
 def update_of(trained: TensorDict, received: TensorDict) -> TensorDict:
@@ -42,8 +72,10 @@ def pack(
     cfg: CompressionConfig,
     state: RecordDict,
     generator: torch.Generator | None = None,
+    saved: Path | None = None,
 ) -> ArrayRecord:
-    """The reply's arrays: the encoded update (on the CPU), with error feedback through `state`.
+    """The reply's arrays: the encoded update (on the CPU), with error feedback through `state`
+    (and the file `saved`, when the node has a state directory: `residual_file`).
 
     Encoding runs where `trained` lives (the GPU when the node trains there); `generator` (on that
     device) drives int8's stochastic rounding.
@@ -51,11 +83,16 @@ def pack(
     update = update_of(trained, received)
     settings = {"ratio": cfg.ratio, "quantize_values": cfg.quantize_values}
     if cfg.error_feedback and cfg.name != "none":  # none (an update for a compressed downlink) is exact
-        residual = state[RESIDUAL].to_torch_state_dict() if RESIDUAL in state else None
+        if RESIDUAL in state:
+            residual = state[RESIDUAL].to_torch_state_dict()
+        else:  # a new Context: the first update, or a restarted node
+            residual = _load_residual(saved) if saved is not None else None
         if residual is not None and residual.keys() != {k for k, t in update.items() if t.dtype.is_floating_point}:
             residual = None  # another model (model.trainable changed): the old remainder does not apply
         parts, residual = with_error_feedback(update, residual, cfg.name, generator=generator, **settings)
         state[RESIDUAL] = ArrayRecord({k: v.detach().cpu() for k, v in residual.items()})
+        if saved is not None:
+            _save_residual(saved, residual)
     else:
         parts = encode(update, cfg.name, generator=generator, **settings)
     return ArrayRecord({PAYLOAD: bundle(parts, update, cfg.name, **settings).cpu()})
