@@ -27,6 +27,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from strategies.replies import (
     ArraySpec,
+    EncodedModel,
     Rejection,
     Screened,
     Unpack,
@@ -258,6 +259,8 @@ class FedAvg(Strategy):
         common case thus reads every reply once (and uploads it once to a GPU: a
         recomputation reuses the staged copies).
         """
+        if (out := self._mean_of_encoded(screened)) is not None:
+            return out
         staged = dict(zip(map(id, screened.valid), stage([r.arrays for r in screened.valid], self.device), strict=True))
         while screened.valid:
             models = [staged[id(r)] for r in screened.valid]
@@ -274,6 +277,28 @@ class FedAvg(Strategy):
             for reply in culprits:
                 reject(screened, reply, "non-finite values (NaN or Inf)")
         return None
+
+    def _mean_of_encoded(self, screened: Screened) -> TensorDict | None:
+        """The weighted mean as the sent model plus each compressed reply's update added in place
+        (`EncodedModel.add_update_to`): one model-sized accumulator, no dense copy per reply.
+        None when it does not apply (plain replies, a non-fp32/fp64 model) or the result is not
+        finite (the dense path then finds the culprits)."""
+        valid = screened.valid
+        floats = [k for k, t in self._global.items() if t.dtype in (torch.float32, torch.float64)]
+        if not valid or len(floats) != sum(t.is_floating_point() for t in self._global.values()):
+            return None
+        if not all(isinstance(r.arrays, EncodedModel) and r.arrays.base is self._global for r in valid):
+            return None
+        total = float(sum(r.weight for r in valid))
+        out = {k: self._global[k].to(self.device, copy=True) for k in floats}
+        for reply in valid:
+            reply.arrays.add_update_to(out, reply.weight / total)
+        rest = [k for k in self._global if k not in out]  # integer buffers: sent as they are, averaged
+        if rest:
+            out |= weighted_mean(
+                [{k: r.arrays[k] for k in rest} for r in valid], [r.weight for r in valid], self.device
+            )
+        return out if all(is_finite(t) for t in out.values()) else None
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -18,6 +18,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
@@ -35,10 +36,22 @@ MAX_WEIGHT = 2.0**53
 # a few hundred cover any shape): more than this is a reply padded with junk.
 HEADER_ALLOWANCE = 1024
 
-Unpack = Callable[[ArrayRecord, TensorDict], TensorDict]
-"""(a reply's compressed arrays, the model the node was sent) -> the node's model, dense, in the
-global model's keys, shapes and dtypes; raises ValueError when the payload is malformed. Set by the
+Unpack = Callable[[ArrayRecord, TensorDict], Mapping]
+"""(a reply's compressed arrays, the model the node was sent) -> the node's model (a dict, or an
+`EncodedModel` that reads as one) in the global model's keys, shapes and dtypes; raises ValueError
+when the payload is malformed. Set by the
 app for a compressed uplink (app/compression/wire.py); None: replies carry the model itself."""
+
+
+@runtime_checkable
+class EncodedModel(Protocol):
+    """What `Unpack` may return besides a plain dict: a model that reads as a dense Mapping and can
+    also add its update (model - base) into an aggregate without a dense copy (FedAvg uses it)."""
+
+    base: TensorDict
+
+    def add_update_to(self, acc: TensorDict, alpha: float) -> None: ...
+
 
 WeightCap = Callable[[int, MetricRecord, str], float]
 """(node id, the reply's metrics, MessageType.TRAIN or .EVALUATE) -> the most examples

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.serde import message_to_proto
 
 from app.client_app import app as client_app
@@ -16,6 +16,9 @@ from app.config.schema import CompressionConfig
 from app.run.results import read_rows
 from app.simulation.local_grid import InProcessGrid
 from app.tools.in_process import run_in_process
+from strategies.fedavg import FedAvg
+from strategies.replies import Screened, ValidReply
+from strategies.tensor_ops import weighted_mean
 from tests.helpers import reply_to_same_task
 
 FAST = "federation.rounds=2 train.epochs=1 seed=3 "
@@ -177,6 +180,31 @@ def test_the_residual_survives_a_restart_with_a_state_directory(tmp_path):
     assert totals[saved] < 1e-5  # nothing lost across the restart
     assert totals[None] > 1e-3  # the remainder before the restart is gone
     assert sorted(p.name for p in saved.parent.iterdir()) == [saved.name]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("name", ["topk", "int8"])
+def test_fedavg_adds_compressed_updates_into_its_mean_without_a_dense_copy_per_reply(name):
+    """FedAvg's mean of compressed replies equals the weighted mean of the dense models, and a
+    topk or int8 reply is never turned into a dense model on the way."""
+    cfg = CompressionConfig(name=name, ratio=0.05)
+    gen = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(64, 80, generator=gen), "b": torch.randn(80, generator=gen), "n": torch.tensor(4)}
+    replies = []
+    for i, weight in enumerate((10.0, 30.0, 5.0)):
+        trained = {"w": base["w"] + 0.1 * torch.randn(64, 80, generator=gen), "b": base["b"], "n": torch.tensor(4 + i)}
+        model = unpack(pack(trained, base, cfg, RecordDict(), torch.Generator().manual_seed(i)), base, cfg)
+        replies.append(
+            ValidReply(node_id=i, weight=weight, metrics=MetricRecord({"num-examples": weight}), arrays=model)
+        )
+    strategy = FedAvg()
+    strategy._global = base
+    out = strategy.aggregate_models(1, Screened(valid=replies))
+    assert all("w" not in r.arrays._dense for r in replies)  # never built densely
+    dense = [{k: r.arrays[k] for k in base} for r in replies]  # now build them: the reference mean
+    expected = weighted_mean(dense, [r.weight for r in replies], torch.device("cpu"))
+    for k in base:
+        torch.testing.assert_close(out[k], expected[k], rtol=1e-5, atol=1e-6)
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == round((10 * 4 + 30 * 5 + 5 * 6) / 45)
 
 
 def test_update_of_is_the_difference_for_floats_and_the_value_otherwise():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -375,20 +376,50 @@ def _decode_positions(key: str, got: dict[str, torch.Tensor], numel: int, k: int
     return positions
 
 
-def decode(
+@dataclass(frozen=True)
+class Piece:
+    """One tensor's update as checked parts, not yet dense: `values` alone (exact, fp16, bf16: in
+    like's dtype), int8 codes with their `scale`, or topk's `values` (float32) at `positions`."""
+
+    kind: str
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def dense(self, ref: torch.Tensor) -> torch.Tensor:
+        """The update as a tensor shaped and typed like `ref` (may share memory with the parts)."""
+        if self.kind == "int8":
+            return _dequantize(self.values, self.scale).to(ref.dtype)
+        if self.kind == "topk":
+            out = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device)
+            out[self.positions] = self.values.to(ref.dtype)
+            return out.view(ref.shape)
+        return self.values
+
+    def add_to(self, acc: torch.Tensor, alpha: float) -> None:
+        """acc += alpha * update, without a dense copy of a topk update (int8: one float tensor)."""
+        if self.kind == "topk":
+            acc.view(-1).index_add_(
+                0, self.positions.to(acc.device), self.values.to(acc.device, acc.dtype), alpha=alpha
+            )
+        elif self.kind == "int8":
+            q = self.values.to(acc.device, acc.dtype).reshape(self.scale.numel(), -1)
+            acc.view(self.scale.numel(), -1).addcmul_(q, self.scale.to(acc.device, acc.dtype).unsqueeze(1), value=alpha)
+        else:
+            acc.add_(self.values.to(acc.device, acc.dtype), alpha=alpha)
+
+
+def check_parts(
     parts: Mapping[str, torch.Tensor],
     like: Mapping[str, torch.Tensor],
     mode: str,
     *,
     ratio: float = 0.01,
     quantize_values: bool = False,
-) -> Update:
-    """The dense update that `parts` encode, with like's keys, shapes and dtypes, on like's device.
-
-    `like` (the model the node trained from, or any tensors of its shapes and dtypes) is trusted; the
-    parts are not: anything that does not match the layout `encode` produces for `like` with these
-    settings raises MalformedPayload. A returned tensor may share memory with its part.
-    """
+) -> dict[str, Piece]:
+    """Every check `decode` makes, on like's device, without building the dense update: the bytes
+    come from an untrusted node, and anything that does not match the layout `encode` produces for
+    `like` with these settings raises MalformedPayload."""
     check_settings(mode, ratio)
     layout = _layout(like, mode, ratio, quantize_values)
     if not isinstance(parts, Mapping):
@@ -405,7 +436,7 @@ def decode(
             f"unexpected part {extra[0]!r}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
         )
 
-    out: Update = {}
+    out: dict[str, Piece] = {}
     for key, ref in like.items():
         got: dict[str, torch.Tensor] = {}
         for name, (dtype, shape) in layout[key].items():
@@ -424,17 +455,32 @@ def decode(
                 t = t.view(ref.dtype)
             if t.dtype.is_floating_point:
                 _check_range(key, t, ref.dtype)
-            out[key] = t.to(ref.dtype)
+            out[key] = Piece(kind, t.to(ref.dtype))
         elif kind == "int8":
             _check_scale(f"{key}/scale", got[f"{key}/scale"], ref.dtype)
-            out[key] = _dequantize(got[f"{key}/q"], got[f"{key}/scale"]).to(ref.dtype)
+            out[key] = Piece(kind, got[f"{key}/q"], scale=got[f"{key}/scale"])
         else:
             n = ref.numel()
             positions = _decode_positions(key, got, n, topk_count(n, ratio))
-            dense = torch.zeros(n, dtype=ref.dtype, device=ref.device)
-            dense[positions] = _decode_values(key, got, ref.dtype).to(ref.dtype)
-            out[key] = dense.view(ref.shape)
+            out[key] = Piece(kind, _decode_values(key, got, ref.dtype), positions=positions)
     return out
+
+
+def decode(
+    parts: Mapping[str, torch.Tensor],
+    like: Mapping[str, torch.Tensor],
+    mode: str,
+    *,
+    ratio: float = 0.01,
+    quantize_values: bool = False,
+) -> Update:
+    """The dense update that `parts` encode, with like's keys, shapes and dtypes, on like's device.
+
+    `like` (the model the node trained from, or any tensors of its shapes and dtypes) is trusted; the
+    parts are not: see `check_parts`. A returned tensor may share memory with its part.
+    """
+    pieces = check_parts(parts, like, mode, ratio=ratio, quantize_values=quantize_values)
+    return {key: piece.dense(like[key]) for key, piece in pieces.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from app.compression.codecs import MalformedPayload, bundle, decode, encode, unbundle, with_error_feedback
+from app.compression.codecs import MalformedPayload, Piece, bundle, check_parts, encode, unbundle, with_error_feedback
 from app.config.schema import CompressionConfig
 
 PAYLOAD = "compressed"  # the one array of an encoded reply or task: all its parts (codecs.bundle)
@@ -98,11 +99,42 @@ def pack(
     return ArrayRecord({PAYLOAD: bundle(parts, update, cfg.name, **settings).cpu()})
 
 
-def unpack(record: ArrayRecord, base: TensorDict, cfg: CompressionConfig) -> TensorDict:
-    """The node's model: `base` (the model it was sent) plus its decoded update, on base's device.
+class NodeModel(Mapping[str, torch.Tensor]):
+    """A node's model: the model it was sent (`base`) plus its checked, still encoded update.
 
-    Raises MalformedPayload (a ValueError) naming the part and the problem for anything that is not
-    a well-formed encoding of an update of `base`'s shapes: the bytes come from an untrusted node.
+    Reading a key builds that tensor (and keeps it), so every strategy sees an ordinary dense
+    model; FedAvg instead adds the updates straight into its aggregate (`add_update_to`): a topk
+    update then never becomes a dense tensor, and no reply costs a model-sized copy.
+    """
+
+    def __init__(self, base: TensorDict, pieces: dict[str, Piece]) -> None:
+        self.base, self._pieces, self._dense = base, pieces, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._dense:
+            ref = self.base[key]
+            update = self._pieces[key].dense(ref)
+            self._dense[key] = ref + update if update.dtype.is_floating_point else update
+        return self._dense[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def add_update_to(self, acc: TensorDict, alpha: float) -> None:
+        """acc[k] += alpha * (this model - base)[k] for acc's keys (floating-point tensors only)."""
+        for key, t in acc.items():
+            self._pieces[key].add_to(t, alpha)
+
+
+def unpack(record: ArrayRecord, base: TensorDict, cfg: CompressionConfig) -> NodeModel:
+    """The node's model: `base` (the model it was sent) plus its update, on base's device.
+
+    Every check happens here, before anything is aggregated: raises MalformedPayload (a ValueError)
+    naming the part and the problem for anything that is not a well-formed encoding of an update of
+    `base`'s shapes: the bytes come from an untrusted node.
     """
     if list(record.keys()) != [PAYLOAD]:
         raise MalformedPayload(f"expected one array named {PAYLOAD!r}, got {sorted(record.keys())[:5]}")
@@ -111,5 +143,4 @@ def unpack(record: ArrayRecord, base: TensorDict, cfg: CompressionConfig) -> Ten
     except Exception as err:  # noqa: BLE001 - whatever a hostile .npy makes numpy raise, it is malformed
         raise MalformedPayload(f"{PAYLOAD}: not an array ({err})") from None
     settings = {"ratio": cfg.ratio, "quantize_values": cfg.quantize_values}
-    update = decode(unbundle(payload, base, cfg.name, **settings), base, cfg.name, **settings)
-    return {k: base[k] + u if u.dtype.is_floating_point else u for k, u in update.items()}
+    return NodeModel(base, check_parts(unbundle(payload, base, cfg.name, **settings), base, cfg.name, **settings))
