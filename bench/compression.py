@@ -12,7 +12,9 @@ and the accuracy are the same): the mean bytes of a reply's arrays (`bytes_up`) 
 
 `throughput` part: encode + decode of one update shaped like ResNet-18's state dict (11.7M
 fp32 entries) on this machine's CPU (and the GPU when there is one), in GB/s of fp32 update
-(best of `--repeats`).
+(best of `--repeats`): decoded into a dense update, and added into an aggregate as FedAvg does.
+On a VM whose page faults are slow, prefix `MALLOC_MMAP_THRESHOLD_=1000000000
+MALLOC_TRIM_THRESHOLD_=100000000000` to see the codec without the kernel's cost of fresh pages.
 
 Writes a Markdown table to stdout and `--json`.
 """
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import torch  # noqa: E402
 
-from app.compression.codecs import decode, encode  # noqa: E402
+from app.compression.codecs import check_parts, decode, encode  # noqa: E402
 
 MODES = {
     "none": "compression=none",
@@ -87,8 +89,35 @@ def resnet18_shaped_update(device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
-def throughput(device: torch.device, repeats: int) -> dict[str, float]:
-    """GB/s of fp32 update through encode + decode, per mode (best of `repeats`)."""
+def resnet18_bytes() -> dict[str, int]:
+    """The bytes of one reply's arrays for ResNet-18 (10 classes) per mode, through the real
+    packing (`app/compression/wire.py`): sizes depend on shapes only, not on the data."""
+    from flwr.app import ArrayRecord, RecordDict
+
+    from app.compression.wire import pack
+    from app.config.schema import CompressionConfig
+
+    received = resnet18_shaped_update(torch.device("cpu"))
+    trained = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in received.items()}
+    sizes = {"none": sum(len(a.data) for a in ArrayRecord(trained).values())}
+    for mode, overrides in MODES.items():
+        settings = dict(item.split("=") for item in overrides.split() if "downlink" not in item)
+        name = settings.pop("compression")
+        if mode == "none" or "+" in mode or name == "none":
+            continue
+        cfg = CompressionConfig(
+            name=name,
+            ratio=float(settings.get("compression.ratio", 0.01)),
+            quantize_values=settings.get("compression.quantize_values") == "true",
+            error_feedback=settings.get("compression.error_feedback") != "false",
+        )
+        sizes[mode] = sum(len(a.data) for a in pack(trained, received, cfg, RecordDict()).values())
+    return sizes
+
+
+def throughput(device: torch.device, repeats: int) -> dict[str, dict[str, float]]:
+    """GB/s of fp32 update through encode + decode, per mode (best of `repeats`): decoded into a
+    dense update (what Krum, the median or FedBuff read) and added into an aggregate (FedAvg)."""
     update = resnet18_shaped_update(device)
     gigabytes = sum(t.numel() * 4 for t in update.values() if t.is_floating_point()) / 1e9
     settings = {
@@ -98,19 +127,30 @@ def throughput(device: torch.device, repeats: int) -> dict[str, float]:
         "topk-1%": ("topk", {"ratio": 0.01}),
         "topk-1%-int8": ("topk", {"ratio": 0.01, "quantize_values": True}),
     }
-    out = {}
+    acc = {k: torch.zeros_like(t) for k, t in update.items() if t.is_floating_point()}
+
+    def into_aggregate(mode: str, gen: torch.Generator, kw: dict) -> None:
+        pieces = check_parts(encode(update, mode, generator=gen, **kw), update, mode, **kw)
+        for k, t in acc.items():
+            pieces[k].add_to(t, 0.1)
+
+    out: dict[str, dict[str, float]] = {"dense": {}, "aggregate": {}}
     for name, (mode, kw) in settings.items():
         gen = torch.Generator(device).manual_seed(0)
-        best = float("inf")
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            decode(encode(update, mode, generator=gen, **kw), update, mode, **kw)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-        out[name] = gigabytes / best
+        for path, run in (
+            ("dense", lambda: decode(encode(update, mode, generator=gen, **kw), update, mode, **kw)),  # noqa: B023
+            ("aggregate", lambda: into_aggregate(mode, gen, kw)),  # noqa: B023
+        ):
+            best = float("inf")
+            for _ in range(repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            out[path][name] = gigabytes / best
     return out
 
 
@@ -165,16 +205,21 @@ def main() -> None:
                 )
         payload["federation"] = results
         print("\n" + table(results) + "\n")
+    payload["resnet18_bytes_up"] = sizes = resnet18_bytes()
+    print(
+        "ResNet-18, bytes of a reply: " + ", ".join(f"{k} {v:,} ({sizes['none'] / v:.1f}x)" for k, v in sizes.items())
+    )
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     payload["throughput_gbps"] = {}
     for device in devices:
         rates = throughput(device, args.repeats)
         payload["throughput_gbps"][device.type] = rates
-        print(
-            f"encode + decode on {device.type} ({torch.get_num_threads()} threads): "
-            + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()),
-            flush=True,
-        )
+        for path, by_mode in rates.items():
+            print(
+                f"encode + decode ({path}) on {device.type} ({torch.get_num_threads()} threads): "
+                + ", ".join(f"{k} {v:.2f} GB/s" for k, v in by_mode.items()),
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
 
