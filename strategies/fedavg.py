@@ -27,6 +27,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from strategies.replies import (
     ArraySpec,
+    Downlink,
     EncodedModel,
     Rejection,
     Screened,
@@ -38,7 +39,7 @@ from strategies.replies import (
     weighted_metrics,
 )
 from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, stage, tensors_to_record, weighted_mean
-from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND, Downlink
+from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

@@ -39,6 +39,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from strategies.fedavg import RoundReport, task_content
 from strategies.replies import (
     ArraySpec,
+    Downlink,
     InvalidReply,
     Rejection,
     Screened,
@@ -54,7 +55,7 @@ from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
-from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK, Downlink
+from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

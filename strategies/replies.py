@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
@@ -51,6 +51,19 @@ class EncodedModel(Protocol):
     base: TensorDict
 
     def add_update_to(self, acc: TensorDict, alpha: float) -> None: ...
+
+
+class Downlink(Protocol):
+    """How a training task carries the global model (set by the app: app/compression/downlink.py;
+    None: the model itself)."""
+
+    def task(self, node: int, model: dict[str, Any], record: ArrayRecord) -> tuple[ArrayRecord, dict[str, Any]]:
+        """(the task's arrays, entries for its ConfigRecord) for `node`; `record` is `model` as sent plain."""
+        ...
+
+    def settle(self, node: int, replied: bool) -> None:
+        """`node`'s task is over: `replied` when a reply (not an error) came back."""
+        ...
 
 
 WeightCap = Callable[[int, MetricRecord, str], float]

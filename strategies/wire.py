@@ -5,12 +5,6 @@ defined here, in the lowest layer, because the strategies need them; app/protoco
 re-exports them with the rest of the wire format for the ClientApp.
 """
 
-from __future__ import annotations
-
-from typing import Any, Protocol
-
-from flwr.app import ArrayRecord
-
 ARRAYS = "arrays"  # ArrayRecord: the model sent, or the one trained
 # ArrayRecord: the parameters kept frozen (model.trainable), sent with every task and never aggregated
 FROZEN = "frozen-arrays"
@@ -21,16 +15,3 @@ TASK = "task"  # FedBuff: the task's serial number (a fresh shuffle per task)
 # node_config of a simulated SuperNode; also in replies: the server binds the node to it and caps its weight
 PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"  # a reply's weight claim (capped by the server: strategies/replies.py)
-
-
-class Downlink(Protocol):
-    """How a training task carries the global model (set by the app: app/compression/downlink.py;
-    None: the model itself)."""
-
-    def task(self, node: int, model: dict[str, Any], record: ArrayRecord) -> tuple[ArrayRecord, dict[str, Any]]:
-        """(the task's arrays, entries for its ConfigRecord) for `node`; `record` is `model` as sent plain."""
-        ...
-
-    def settle(self, node: int, replied: bool) -> None:
-        """`node`'s task is over: `replied` when a reply (not an error) came back."""
-        ...
