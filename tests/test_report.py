@@ -62,6 +62,7 @@ def _job(
         "wall_time_s": 2.0 * len(accs) + 0.5,
         "privacy": privacy or {"mechanism": "none"},
         "bytes_up_total": 1_000_000 * len(accs),
+        "bytes_down_total": 2_000_000 * len(accs),
     }
     if fedbuff:
         summary["fedbuff"] = fedbuff
@@ -106,7 +107,7 @@ def test_report_numbers_equal_the_runs_summaries(sweep: Path) -> None:
     assert float(row["rejected_per_run"]) == pytest.approx(1.0)  # 3 rejected in seed 0, 0 in the others
     assert float(row["failed_replies_per_run"]) == 3.0  # one missing reply per round
     assert row["epsilon_mean"] == ""
-    assert float(row["uplink_mb_mean"]) == 3.0  # 1 MB a round, 3 rounds
+    assert float(row["uplink_mb_mean"]) == 3.0 and float(row["downlink_mb_mean"]) == 6.0  # 1 and 2 MB a round, 3 rounds
 
     dp = table["privacy=central strategy=fedavg"]
     assert int(dp["runs"]) == 2 and int(dp["failed"]) == 1

@@ -176,6 +176,7 @@ def run_numbers(run: Run, target: float) -> dict[str, Any]:
         "stale_discarded": stale,
         "failed_replies": sum(int(r.get("num_failed") or 0) + int(r.get("num_missing") or 0) for r in run.rows),
         "uplink_mb": s["bytes_up_total"] / 1e6 if s.get("bytes_up_total") is not None else None,
+        "downlink_mb": s["bytes_down_total"] / 1e6 if s.get("bytes_down_total") is not None else None,
         "error": run.error,
         "path": str(run.path),
     }
@@ -215,6 +216,7 @@ def summarize(runs: list[Run], target: float) -> tuple[list[dict[str, Any]], lis
         row["time_to_target_s_mean"] = _mean_std([r["time_to_target_s"] for r in reached])[0]
         row["epsilon_mean"], row["epsilon_std"] = _mean_std([r["epsilon"] for r in done])
         row["uplink_mb_mean"] = _mean_std([r["uplink_mb"] for r in done])[0]
+        row["downlink_mb_mean"] = _mean_std([r["downlink_mb"] for r in done])[0]
         for key in ("rejected", "stale_discarded", "failed_replies"):
             row[f"{key}_per_run"] = _mean_std([r[key] for r in done])[0]
         table.append(row)
@@ -258,8 +260,8 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
         "",
         f"| configuration | runs | failed | final {metric}{unit} | best {metric}{unit} | reached target "
         "| rounds to target | time to target (s) | wall time (s) | ε | rejected / run | stale discarded / run "
-        "| failed replies / run | uplink MB / run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| failed replies / run | uplink MB / run | downlink MB / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         config = f"`{' '.join(i for i in r['config'].split() if i not in common) or r['config']}`"
@@ -284,6 +286,7 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
                     _pm(r["stale_discarded_per_run"], None),
                     _pm(r["failed_replies_per_run"], None),
                     _pm(r["uplink_mb_mean"], None, digits=2),
+                    _pm(r["downlink_mb_mean"], None, digits=2),
                 ]
             )
             + " |"
