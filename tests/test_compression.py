@@ -58,6 +58,7 @@ def test_every_strategy_and_privacy_mode_runs_with_a_compressed_uplink(tmp_path,
     assert all(r["bytes_up"] < r["bytes_down"] / 1.9 for r in rows), [(r["bytes_up"], r["bytes_down"]) for r in rows]
     if "train" in rows[-1]:  # central DP leaves clients' metrics out of the rows
         assert rows[-1]["train"]["encode-s"] > 0
+    assert all(r["unpack_s"] > 0 for r in rows if r.get("num_clients")), rows  # the server's side of the cost
 
 
 def test_the_server_aggregates_what_the_nodes_sent(tmp_path):

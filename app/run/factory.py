@@ -5,14 +5,15 @@ the start-up checks that the cohort can ever satisfy them."""
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import MessageType, MetricRecord
+from flwr.app import ArrayRecord, MessageType, MetricRecord
 
 from app.compression.downlink import Downlink
-from app.compression.wire import unpack
+from app.compression.wire import NodeModel, unpack
 from app.config.schema import ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
@@ -24,7 +25,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
 from strategies.krum import Krum, KrumRule, MultiKrum, MultiKrumRule
 from strategies.partitions import PartitionBinding
-from strategies.replies import Unpack, WeightCap
+from strategies.replies import WeightCap
 from strategies.robust import RobustRule, RobustStrategy
 from strategies.staleness import staleness_fn
 
@@ -157,12 +158,33 @@ def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> W
     return cap
 
 
-def uplink_decoder(cfg: CompressionConfig) -> Unpack | None:
+class TimedUnpack:
+    """`wire.unpack` for the strategy (an `Unpack`), timing itself: the server's cost of checking
+    and unpacking compressed replies, for the step's row (`take`). Building dense tensors from
+    them, or FedAvg's adds into its mean, happens later and counts as aggregation."""
+
+    def __init__(self, cfg: CompressionConfig) -> None:
+        self.cfg, self.seconds = cfg, 0.0
+
+    def __call__(self, record: ArrayRecord, base: dict[str, torch.Tensor]) -> NodeModel:
+        started = time.perf_counter()
+        try:
+            return unpack(record, base, self.cfg)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def take(self) -> float:
+        """The seconds since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def uplink_decoder(cfg: CompressionConfig) -> TimedUnpack | None:
     """How the strategy gets a node's model from a compressed reply (None: replies carry the model).
     With a compressed downlink replies are updates even when `name` is none (sent exactly)."""
     if cfg.name == "none" and cfg.downlink == "none":
         return None
-    return functools.partial(unpack, cfg=cfg)
+    return TimedUnpack(cfg)
 
 
 def downlink_encoder(cfg: CompressionConfig, seed: int) -> Downlink | None:

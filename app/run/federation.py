@@ -142,7 +142,7 @@ class FederatedRun:
         self.arrays, self.frozen = self.split(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
         self.strategy.frozen = self.frozen
-        self.strategy.unpack = uplink_decoder(cfg.compression)
+        self.strategy.unpack = self.unpack = uplink_decoder(cfg.compression)
         self.strategy.downlink = downlink_encoder(cfg.compression, cfg.seed)
         self.first_round, self.elapsed_before = 1, 0.0
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
@@ -353,6 +353,7 @@ class FederatedRun:
                 **traffic(
                     [payload_bytes(m.content) for m in tasks],
                     [payload_bytes(r.content) for r in replies if not r.has_error()],
+                    self.unpack.take() if self.unpack is not None else None,
                 ),
             }
             self.finish_round(rnd, row)
@@ -385,7 +386,7 @@ class FederatedRun:
             row = {
                 **self.timed_row(v, metrics, loss, now - last),
                 **version_row(report, strategy.tasks_sent),
-                **traffic(report.bytes_down, report.bytes_up),
+                **traffic(report.bytes_down, report.bytes_up, self.unpack.take() if self.unpack is not None else None),
             }
             last, sent_before = now, strategy.tasks_sent
             self.finish_round(v, row)

@@ -32,6 +32,7 @@ EXACT_ROW_KEYS = (
     "tasks_sent",
     "bytes_down_total",
     "bytes_up_total",
+    "unpack_s",  # grows with the number of replies, as the totals do
     "robust",
     "capped_weights",
     "train",
@@ -95,15 +96,17 @@ def round_row(
     }
 
 
-def traffic(bytes_down: list[int], bytes_up: list[int]) -> dict[str, Any]:
+def traffic(bytes_down: list[int], bytes_up: list[int], unpack_s: float | None = None) -> dict[str, Any]:
     """The mean array bytes of the step's tasks sent (`bytes_down`) and replies received (`bytes_up`;
     None without any): what `model.trainable` and compression save; and their totals (exact
-    counts: central DP leaves them out, as it does `num_sampled`)."""
+    counts: central DP leaves them out, as it does `num_sampled`). With a compressed uplink,
+    `unpack_s`: the server's seconds checking and unpacking the step's replies."""
     return {
         "bytes_down": round(sum(bytes_down) / len(bytes_down)) if bytes_down else None,
         "bytes_up": round(sum(bytes_up) / len(bytes_up)) if bytes_up else None,
         "bytes_down_total": sum(bytes_down),
         "bytes_up_total": sum(bytes_up),
+        **({"unpack_s": unpack_s} if unpack_s is not None else {}),
     }
 
 
