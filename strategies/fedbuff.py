@@ -46,6 +46,7 @@ from strategies.replies import (
     Unpack,
     ValidReply,
     WeightCap,
+    arrays_digest,
     payload_bytes,
     screen_reply,
     specs_of,
@@ -82,6 +83,8 @@ class VersionReport:
     metrics: MetricRecord | None = None  # clients' training metrics, weighted
     bytes_up: list[int] = field(default_factory=list)  # each reply's array bytes since the previous version
     bytes_down: list[int] = field(default_factory=list)  # each task's array bytes since the previous version
+    stale_nodes: list[int] = field(default_factory=list)  # whose updates were discarded as too stale
+    digests: dict[int, str] = field(default_factory=dict)  # node -> sha256 of its last reply's arrays
     # Every successful reply's metrics since the previous version, whatever became of its update
     # (discarded stale, rejected, excluded by a robust rule): a local-DP client's ε is spent either way.
     client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)
@@ -325,9 +328,12 @@ class FedBuff(Strategy):
             return
         self.report.client_metrics += [(node, m) for m in reply.content.metric_records.values()]
         self.report.bytes_up.append(payload_bytes(reply.content))
+        if len(reply.content.array_records) == 1:  # else screening rejects it below
+            self.report.digests[node] = arrays_digest(next(iter(reply.content.array_records.values())))
         tau = self.version - task.version
         if tau > self.max_staleness or task.version not in self._models:
             self.report.discarded_stale += 1
+            self.report.stale_nodes.append(node)
             self.discarded_total += 1
             log.info(
                 "node %s: update from version %d is %d versions stale (> %d): discarded",

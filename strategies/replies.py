@@ -14,6 +14,7 @@ finite.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -122,6 +123,16 @@ def payload_bytes(content: RecordDict) -> int:
     """The bytes of every array a message carries (serialised, .npy headers included): what
     crosses the link for the model, whatever the transport adds."""
     return sum(len(a.data) for record in content.array_records.values() for a in record.values())
+
+
+def arrays_digest(record: ArrayRecord) -> str:
+    """sha256 of a record's arrays as they cross the wire (keys sorted; each key, then its bytes):
+    what the contribution ledger records of each reply."""
+    h = hashlib.sha256()
+    for key in sorted(record.keys()):
+        h.update(f"{key}\0".encode())
+        h.update(record[key].data)
+    return h.hexdigest()
 
 
 def reply_weight(metrics: MetricRecord, weight_key: str = NUM_EXAMPLES) -> float:

@@ -55,7 +55,10 @@ def test_every_strategy_and_privacy_mode_runs_with_a_compressed_uplink(tmp_path,
     assert all(r.get("num_rejected", 0) == 0 for r in rows), [
         r.get("rejected") for r in rows
     ]  # central DP: not reported
-    assert all(r["bytes_up"] < r["bytes_down"] / 1.9 for r in rows), [(r["bytes_up"], r["bytes_down"]) for r in rows]
+    sizes = [
+        (r["bytes_up"], r["bytes_down"]) for r in rows if r["bytes_down"] is not None
+    ]  # FedBuff: a step may send none
+    assert sizes and all(up < down / 1.9 for up, down in sizes), sizes
     if "train" in rows[-1]:  # central DP leaves clients' metrics out of the rows
         assert rows[-1]["train"]["encode-s"] > 0
     assert all(r["unpack_s"] > 0 for r in rows if r.get("num_clients")), rows  # the server's side of the cost

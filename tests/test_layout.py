@@ -93,11 +93,12 @@ ALLOWED = {
     "app.config": ("app.config", "strategies"),
     "app.protocol": ("app.config", "strategies"),
     "app.compression": ("app.compression", "app.config", "app.protocol"),
+    "app.ledger": ("app.ledger", "strategies"),
     "app.task": ("app.task", "app.config", "app.protocol", "strategies"),
     "app.simulation": ("app.simulation", "app.config", "app.protocol", "app.task", "strategies"),
     "app.privacy": ("app.privacy", "app.config", "app.protocol", "app.task", "strategies"),
     "app.client_app": CLIENT_SIDE,
-    "app.run": ("app.run", *CLIENT_SIDE),  # the server's run: what the client uses, and itself
+    "app.run": ("app.run", "app.ledger", *CLIENT_SIDE),  # the server's run: what the client uses, the ledger, itself
     "app.server_app": ("app.run", "app.config", "app.task", "strategies"),
     "app.tools": ("app", "strategies"),
 }

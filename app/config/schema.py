@@ -21,6 +21,7 @@ PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = POLICIES
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codecs.py
 DOWNLINKS = ("none", "fp16", "delta")  # app/compression/downlink.py
+LEDGERS = ("on", "off")  # app/ledger/
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
@@ -159,6 +160,22 @@ class CompressionConfig:
 
 
 @dataclass(unsafe_hash=True)
+class MonitoringConfig:
+    """Live Prometheus metrics served by the ServerApp (app/run/monitoring.py)."""
+
+    prometheus_port: int = 0  # > 0: serve /metrics on this port; 0: off
+    prometheus_host: str = "127.0.0.1"  # 0.0.0.0 in a container that Prometheus scrapes
+    max_node_labels: int = 256  # node label values created at most; further nodes share node="other"
+
+
+@dataclass(unsafe_hash=True)
+class LedgerConfig:
+    """The hash-chained contribution ledger, <run>/ledger.jsonl (app/ledger/)."""
+
+    name: str = "on"  # on | off
+
+
+@dataclass(unsafe_hash=True)
 class PrivacyConfig:
     name: str = "none"  # none | central | central_adaptive | local
     noise_multiplier: float = 1.0  # Gaussian noise std / clip (central: per release; local: per step)
@@ -243,6 +260,8 @@ class Config:
     federation: FederationConfig = field(default_factory=FederationConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)

@@ -17,6 +17,7 @@ from app.config.schema import (
     COMPRESSIONS,
     DATASETS,
     DOWNLINKS,
+    LEDGERS,
     MODELS,
     OPTIMIZERS,
     PARTITIONS,
@@ -101,6 +102,11 @@ def validate(cfg: Config) -> Config:
             "delta encodes the model's change with compression.name's codec; set compression=int8 (or fp16, "
             "bf16, topk), or use compression.downlink=fp16",
         )
+
+    _one_of("ledger", cfg.ledger.name, LEDGERS)
+    m = cfg.monitoring
+    _require(0 <= m.prometheus_port <= 65535, "monitoring.prometheus_port", m.prometheus_port, "0 (off) or a TCP port")
+    _require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")
 
     _validate_privacy(cfg)
 

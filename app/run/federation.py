@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError
+from app.ledger.chain import Ledger, model_digest
 from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.run.factory import (
@@ -34,6 +35,8 @@ from app.run.factory import (
     run_privacy,
     uplink_decoder,
 )
+from app.run.ledger_entries import round_nodes, version_nodes
+from app.run.monitoring import Monitor
 from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
@@ -173,6 +176,12 @@ class FederatedRun:
             run_dir = new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name, reuse=cfg.resume == "auto")
             self.recorder = RunRecorder(run_dir, primary=self.task.primary)
         self.recorder.save_config(raw)
+        self.monitor = Monitor(self.task.names, cfg.monitoring.max_node_labels)
+        self.ledger: Ledger | None = None
+        if cfg.ledger.name == "on":
+            self.ledger = Ledger(self.recorder.run_dir)
+            self.ledger.truncate_after(self.first_round - 1)  # steps past the checkpoint are re-run
+            self.model_digest = model_digest(self.full_state(self.arrays))
         log.info("results: %s", self.recorder.run_dir)
         self.strategy.summary()
         log.info(
@@ -290,13 +299,24 @@ class FederatedRun:
             ),
         )
 
-    def finish_round(self, rnd: int, row: dict[str, Any]) -> None:
+    def finish_round(
+        self, rnd: int, row: dict[str, Any], nodes: list[dict[str, Any]], client_metrics: list[tuple[int, Any]]
+    ) -> None:
+        """Record step `rnd`: its ledger entry (`nodes`: who took part and how), the checkpoint, its
+        row, and the live metrics (per node from `client_metrics` only where the row may be exact)."""
         row.update(self.privacy.row())
         if (described := self.privacy.describe(row)) is not None:
             log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
+        if self.ledger is not None:  # before the checkpoint: a resume drops entries past it
+            before, self.model_digest = self.model_digest, model_digest(self.full_state(self.arrays))
+            entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
+            self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
         # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
         self.save_state(rnd, row["wall_time_s"])
-        self.recorder.log_round(reported(row, self.cfg.privacy))
+        recorded = reported(row, self.cfg.privacy)
+        self.recorder.log_round(recorded)
+        exact = self.cfg.privacy.name == "none" or self.cfg.privacy.report_exact
+        self.monitor.observe(recorded, client_metrics if exact else [])
 
     def timed_row(
         self, rnd: int, metrics: dict[str, float] | None, loss: float | None, step_s: float
@@ -356,7 +376,7 @@ class FederatedRun:
                     self.unpack.take() if self.unpack is not None else None,
                 ),
             }
-            self.finish_round(rnd, row)
+            self.finish_round(rnd, row, round_nodes(messages, replies, report, cfg.strategy.name), client_metrics)
             log.info(
                 "[round %d/%d] %s  %.1fs  clients %d  rejected %d%s",
                 rnd,
@@ -389,7 +409,7 @@ class FederatedRun:
                 **traffic(report.bytes_down, report.bytes_up, self.unpack.take() if self.unpack is not None else None),
             }
             last, sent_before = now, strategy.tasks_sent
-            self.finish_round(v, row)
+            self.finish_round(v, row, version_nodes(report, cfg.strategy.buffer_aggregator), report.client_metrics)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
@@ -437,16 +457,32 @@ class FederatedRun:
         accuracy = {"final_accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}
         return {"final_metric": metrics[primary], **accuracy, "final_loss": loss}
 
+    def serve_metrics(self) -> None:
+        """Start the Prometheus endpoint (monitoring.prometheus_port > 0) before the first step."""
+        m = self.cfg.monitoring
+        if not m.prometheus_port:
+            return
+        try:
+            port = self.monitor.start(m.prometheus_port, m.prometheus_host)
+        except OSError as err:
+            raise ConfigError(
+                f"monitoring.prometheus_port={m.prometheus_port}: cannot serve on {m.prometheus_host} ({err}); "
+                "pick a free port"
+            ) from None
+        log.info("Prometheus metrics: http://%s:%d/metrics", m.prometheus_host, port)
+
     def run(self) -> dict[str, Any]:
         status = "failed"
         try:
             try:
+                self.serve_metrics()
                 self.run_versions() if self.strategy.asynchronous else self.run_rounds()
             except PrivacyBudgetExhausted as err:
                 self.stop_reason = str(err)
                 log.warning("stopping: %s; the saved model is the last one released within the budget", err)
             status = "completed"
         finally:
+            self.monitor.close()
             torch.save(self.full_state(self.arrays), self.recorder.final_model_path)
             cfg = self.cfg
             extra: dict[str, Any] = {
@@ -462,6 +498,13 @@ class FederatedRun:
                 "checkpoint": str(self.recorder.checkpoint_path),
                 **self.strategy.run_summary(),
             }
+            if self.ledger is not None:
+                extra["ledger"] = {
+                    "file": str(self.ledger.path),
+                    "entries": self.ledger.length,
+                    "head": self.ledger.head,
+                }
+                log.info("ledger: %d entries, head %s", self.ledger.length, self.ledger.head)
             if status == "completed":
                 extra.update(self.final_evaluation())
             summary = self.recorder.finish(status, self.elapsed(), extra)

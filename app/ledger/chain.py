@@ -1,0 +1,105 @@
+"""The contribution ledger: one hash-chained JSON entry per round (FedBuff: per version) in
+`<run>/ledger.jsonl`, saying who was sent a task, what each reply was (its sha256), what became
+of it and what it weighed, and which model went in and came out.
+
+Every entry carries `prev`, the hash of the entry before it, and `hash`, the sha256 of its own
+canonical JSON (sorted keys, no whitespace) without `hash`: changing any field of any entry,
+removing one or reordering them breaks the chain at a place `verify_chain` names. The model
+hashes tie the chain to the files the run leaves (`model_final.pt`, `checkpoint.pt`). What the
+chain cannot prove: that the operator did not rewrite the whole file and every model file
+together (sign the head hash, or hand it to the members, e.g. in each node's receipt); nor that
+a site really trained on the data it claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GENESIS = "0" * 64  # `prev` of a chain's first entry
+LEDGER_FILE = "ledger.jsonl"
+
+
+def model_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 of a model over a canonical serialisation: keys sorted, each key, dtype, shape and
+    raw little-endian bytes; the same for the same values whatever the device, dict order or
+    memory layout."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach().to("cpu").contiguous()
+        h.update(f"{key}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def entry_hash(entry: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in entry.items() if k != "hash"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class Ledger:
+    """Appends entries to `<run_dir>/ledger.jsonl`, continuing the chain a resumed run left."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LEDGER_FILE
+        self.head = GENESIS
+        self.length = 0
+        if self.path.exists():
+            entries = read_entries(self.path)
+            if (problem := verify_chain(entries)) is not None:
+                raise ValueError(f"{self.path}: {problem}; refusing to extend a broken chain")
+            if entries:
+                self.head, self.length = entries[-1]["hash"], len(entries)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop entries past `step` (a resume re-runs the steps after its checkpoint)."""
+        if not self.path.exists():
+            return
+        entries = [e for e in read_entries(self.path) if e["step"] <= step]
+        self.path.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in entries))
+        self.head, self.length = (entries[-1]["hash"], len(entries)) if entries else (GENESIS, 0)
+
+    def append(self, entry: dict[str, Any]) -> str:
+        """Chain `entry` (sets `prev` and `hash`), write it, and return its hash."""
+        entry = {**entry, "prev": self.head}
+        entry["hash"] = entry_hash(entry)
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+            f.flush()
+        self.head, self.length = entry["hash"], self.length + 1
+        return entry["hash"]
+
+
+def read_entries(path: Path) -> list[dict[str, Any]]:
+    """The entries of a ledger file; a line that is not a JSON object raises ValueError naming it."""
+    entries = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"line {number}: not JSON ({err})") from None
+        if not isinstance(entry, dict):
+            raise ValueError(f"line {number}: not a JSON object")
+        entries.append(entry)
+    return entries
+
+
+def verify_chain(entries: list[dict[str, Any]]) -> str | None:
+    """None when every entry hashes to its `hash` and links to the one before; else what broke first."""
+    prev = GENESIS
+    for number, entry in enumerate(entries, start=1):
+        step = entry.get("step", "?")
+        if entry.get("hash") != entry_hash(entry):
+            return f"entry {number} (step {step}) was altered: its content no longer matches its hash"
+        if entry.get("prev") != prev:
+            return (
+                f"entry {number} (step {step}) does not follow entry {number - 1}: an entry between them was "
+                f"removed, entries were reordered, or entry {number - 1} was altered and re-hashed"
+            )
+        prev = entry["hash"]
+    return None

@@ -1,0 +1,68 @@
+"""Per-node totals of a run's ledger: tasks, applied and refused updates, examples used, and the
+compute and energy the nodes report."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from app.ledger.chain import LEDGER_FILE, read_entries
+
+COLUMNS = (
+    "node_id",
+    "tasks",
+    "applied",
+    "refused",
+    "excluded",
+    "stale",
+    "missing_or_failed",
+    "weight",
+    "compute_s",
+    "energy_j",
+)
+
+
+def node_totals(run_dir: Path) -> list[dict[str, Any]]:
+    """One row per node, most applied weight first."""
+    totals: dict[int, dict[str, Any]] = {}
+    for entry in read_entries(Path(run_dir) / LEDGER_FILE):
+        for n in entry["nodes"]:
+            row = totals.setdefault(n["node_id"], dict.fromkeys(COLUMNS, 0) | {"node_id": n["node_id"]})
+            outcome = n["outcome"]
+            row["tasks"] += 1
+            if outcome == "applied":
+                row["applied"] += 1
+                row["weight"] += n.get("weight") or 0
+            elif outcome.startswith("rejected"):
+                row["refused"] += 1
+            elif outcome.startswith("excluded"):
+                row["excluded"] += 1
+            elif outcome == "stale":
+                row["stale"] += 1
+            elif outcome == "missing" or outcome.startswith("failed"):
+                row["missing_or_failed"] += 1
+            row["compute_s"] += n.get("reported_compute_s", 0.0)
+            row["energy_j"] += n.get("reported_energy_j", 0.0)
+    return sorted(totals.values(), key=lambda r: (-r["weight"], r["node_id"]))
+
+
+def write_report(run_dir: Path) -> tuple[str, Path]:
+    """(a Markdown table of node_totals, the CSV written next to the ledger)."""
+    rows = node_totals(run_dir)
+    out = Path(run_dir) / "ledger_report.csv"
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [
+        "| node | tasks | applied | refused | excluded | stale | missing/failed | weight used | compute s (reported) "
+        "| energy J (reported) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['node_id']} | {r['tasks']} | {r['applied']} | {r['refused']} | {r['excluded']} | {r['stale']} "
+            f"| {r['missing_or_failed']} | {r['weight']:,.0f} | {r['compute_s']:.1f} | {r['energy_j']:.0f} |"
+        )
+    return "\n".join(lines), out

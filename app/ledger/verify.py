@@ -1,0 +1,57 @@
+"""Check a run's ledger against itself and against the files the run left.
+
+- the chain: every entry hashes to its `hash` and links to the one before (chain.verify_chain);
+- its end: summary.json records the head hash and the number of entries, so an entry cut off the
+  end is caught too;
+- the models: `model_final.pt` hashes to the last entry's `model_after`, and `checkpoint.pt` to
+  the `model_after` of the step it was saved after.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from app.ledger.chain import LEDGER_FILE, model_digest, read_entries, verify_chain
+
+
+def verify_run(run_dir: Path) -> list[str]:
+    """The problems found (empty: the ledger holds), each naming the entry or file concerned."""
+    run_dir = Path(run_dir)
+    path = run_dir / LEDGER_FILE
+    if not path.exists():
+        return [f"{path}: no ledger (a run with ledger=off, or not a run directory)"]
+    try:
+        entries = read_entries(path)
+    except ValueError as err:
+        return [f"{path}: {err}"]
+    problems = []
+    if (broken := verify_chain(entries)) is not None:
+        problems.append(broken)
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        recorded = json.loads(summary_path.read_text()).get("ledger")
+        if recorded is not None:
+            head = entries[-1]["hash"] if entries else None
+            if recorded["entries"] != len(entries) or (entries and recorded["head"] != head):
+                problems.append(
+                    f"summary.json records {recorded['entries']} entries ending in {recorded['head'][:12]}, "
+                    f"the ledger has {len(entries)}"
+                    + (f" ending in {head[:12]}" if head else "")
+                    + ": entries were removed or added at the end"
+                )
+    final = run_dir / "model_final.pt"
+    if entries and final.exists():
+        state = torch.load(final, map_location="cpu", weights_only=True)
+        if model_digest(state) != entries[-1].get("model_after"):
+            problems.append(f"{final.name} is not the model the last entry (step {entries[-1]['step']}) records")
+    checkpoint = run_dir / "checkpoint.pt"
+    if entries and checkpoint.exists():
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        step = int(payload["round"])
+        match = [e for e in entries if e.get("step") == step]
+        if match and model_digest(payload["state_dict"]) != match[-1].get("model_after"):
+            problems.append(f"{checkpoint.name} (after step {step}) is not the model entry {step} records")
+    return problems

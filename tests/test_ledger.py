@@ -1,0 +1,137 @@
+"""The contribution ledger (app/ledger/): a run's chain verifies; any alteration, removal or
+reordering of entries, or a replaced model file, is detected and named; resume continues the
+chain; outcomes say what became of each node's update."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.ledger.chain import LEDGER_FILE, entry_hash, model_digest, read_entries
+from app.ledger.report import node_totals
+from app.ledger.verify import verify_run
+from app.tools.in_process import run_in_process
+
+FAST = "federation.rounds={rounds} train.epochs=1 seed=5"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    summary, _ = run_in_process(FAST.format(rounds=3), tmp_path_factory.mktemp("ledger"), nodes=3)
+    return Path(summary["run_dir"])
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in (LEDGER_FILE, "summary.json", "model_final.pt", "checkpoint.pt"):
+        (out / name).write_bytes((run_dir / name).read_bytes())
+    return out
+
+
+def _write(path: Path, entries: list[dict]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+
+def test_a_runs_ledger_verifies_and_records_every_task(run_dir):
+    assert verify_run(run_dir) == []
+    entries = read_entries(run_dir / LEDGER_FILE)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [e["step"] for e in entries] == [1, 2, 3]
+    assert summary["ledger"]["head"] == entries[-1]["hash"] and summary["ledger"]["entries"] == 3
+    assert all(e["model_before"] == p["model_after"] for p, e in zip(entries, entries[1:], strict=False))
+    assert model_digest(torch.load(run_dir / "model_final.pt", weights_only=True)) == entries[-1]["model_after"]
+    for e in entries:
+        assert sorted(n["node_id"] for n in e["nodes"]) == [1000, 1001, 1002]
+        assert all(n["outcome"] == "applied" and len(n["reply_sha256"]) == 64 for n in e["nodes"])
+        assert sum(n["share"] for n in e["nodes"]) == pytest.approx(1.0)
+    cli = subprocess.run([sys.executable, "-m", "app.ledger", "verify", str(run_dir)], capture_output=True, text=True)
+    assert cli.returncode == 0 and "ledger OK" in cli.stdout, cli
+
+
+@pytest.mark.parametrize(
+    ("tamper", "words"),
+    [
+        ("alter", "entry 2 (step 2) was altered"),
+        ("alter_and_rehash", "entry 3 (step 3) does not follow entry 2"),
+        ("remove", "entry 2 (step 3) does not follow entry 1"),
+        ("reorder", "entry 2 (step 3) does not follow entry 1"),
+        ("drop_last", "entries were removed or added at the end"),
+        ("final_model", "model_final.pt is not the model the last entry (step 3) records"),
+    ],
+)
+def test_tampering_is_detected_and_named(run_dir, tmp_path, tamper, words):
+    copy = _copy(run_dir, tmp_path)
+    path = copy / LEDGER_FILE
+    entries = read_entries(path)
+    if tamper == "alter":
+        entries[1]["nodes"][0]["weight"] *= 10  # a node's credit inflated
+    elif tamper == "alter_and_rehash":
+        entries[1]["nodes"][0]["outcome"] = "rejected: made up"
+        entries[1]["hash"] = entry_hash(entries[1])
+    elif tamper == "remove":
+        del entries[1]
+    elif tamper == "reorder":
+        entries[1], entries[2] = entries[2], entries[1]
+    elif tamper == "drop_last":
+        entries.pop()
+    elif tamper == "final_model":
+        state = torch.load(copy / "model_final.pt", weights_only=True)
+        next(t for t in state.values() if t.is_floating_point()).add_(1e-3)
+        torch.save(state, copy / "model_final.pt")
+    _write(path, entries)
+    problems = verify_run(copy)
+    assert any(words in p for p in problems), problems
+    cli = subprocess.run([sys.executable, "-m", "app.ledger", "verify", str(copy)], capture_output=True, text=True)
+    assert cli.returncode == 1 and words in cli.stderr
+
+
+def test_resume_continues_the_chain(tmp_path):
+    first = run_in_process(FAST.format(rounds=2) + " name=led resume=auto", tmp_path)[0]
+    resumed = run_in_process(FAST.format(rounds=4) + " name=led resume=auto", tmp_path)[0]
+    assert resumed["run_dir"] == first["run_dir"]
+    entries = read_entries(Path(resumed["run_dir"]) / LEDGER_FILE)
+    assert [e["step"] for e in entries] == [1, 2, 3, 4] and entries[2]["prev"] == first["ledger"]["head"]
+    assert verify_run(Path(resumed["run_dir"])) == []
+
+
+def test_krum_exclusions_and_rejections_are_on_record(tmp_path):
+    summary, _ = run_in_process(
+        FAST.format(rounds=2)
+        + " strategy=multikrum strategy.num_byzantine=1 strategy.num_selected=3 attack=sign_flip attack.num_malicious=1"
+        " attack.scale=10",
+        tmp_path,
+        nodes=5,
+    )
+    run = Path(summary["run_dir"])
+    assert verify_run(run) == []
+    outcomes = [n["outcome"] for e in read_entries(run / LEDGER_FILE) for n in e["nodes"]]
+    assert sum(o == "excluded by multikrum" for o in outcomes) == 4, outcomes  # 2 of 5 left out a round
+    totals = node_totals(run)
+    partitions = {
+        int(k): v for k, v in json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["node_partitions"].items()
+    }
+    attackers = [n for n, p in partitions.items() if p in summary["attack"]["malicious_partitions"]]
+    (attacker,) = attackers
+    assert next(r for r in totals if r["node_id"] == attacker)["excluded"] == 2, totals  # never applied
+    assert totals[-1]["applied"] == 0  # the report lists it last (no weight used)
+
+
+def test_fedbuff_versions_are_on_record(tmp_path):
+    summary, _ = run_in_process(FAST.format(rounds=3) + " strategy=fedbuff strategy.buffer_size=2", tmp_path, nodes=3)
+    run = Path(summary["run_dir"])
+    assert verify_run(run) == []
+    entries = read_entries(run / LEDGER_FILE)
+    assert [e["unit"] for e in entries] == ["version"] * 3
+    applied = [n for e in entries for n in e["nodes"] if n["outcome"] == "applied"]
+    assert all("staleness" in n and len(n["reply_sha256"]) == 64 for n in applied) and len(applied) >= 6
+
+
+def test_ledger_off_writes_none(tmp_path):
+    summary, _ = run_in_process(FAST.format(rounds=1) + " ledger=off", tmp_path)
+    assert not (Path(summary["run_dir"]) / LEDGER_FILE).exists() and "ledger" not in summary
