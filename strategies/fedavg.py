@@ -32,6 +32,7 @@ from strategies.replies import (
     Rejection,
     Screened,
     Unpack,
+    ValidReply,
     WeightCap,
     reject,
     screen_replies,
@@ -136,6 +137,7 @@ class FedAvg(Strategy):
         self._global: TensorDict = {}  # the model sent this round: every reply's base
         self._sent_train: list[Message] = []  # this round's messages (to name a rejection's node)
         self._sent_evaluate: list[Message] = []
+        self.last_valid: list[ValidReply] = []
 
     # How the server's run drives this strategy (app/run/federation.py): synchronous rounds.
     asynchronous = False
@@ -328,6 +330,7 @@ class FedAvg(Strategy):
         new = self.aggregate_models(server_round, screened)
         report.rejected = screened.rejected
         report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
+        self.last_valid = list(screened.valid)  # the round's valid replies, for contribution scores
         if new is None:
             if not screened.valid:
                 log.warning("round %d: no valid training reply; keeping the previous global model", server_round)

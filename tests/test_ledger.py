@@ -135,3 +135,39 @@ def test_fedbuff_versions_are_on_record(tmp_path):
 def test_ledger_off_writes_none(tmp_path):
     summary, _ = run_in_process(FAST.format(rounds=1) + " ledger=off", tmp_path)
     assert not (Path(summary["run_dir"]) / LEDGER_FILE).exists() and "ledger" not in summary
+
+
+@pytest.mark.parametrize("method", ["loo", "shapley"])
+def test_a_sign_flipping_node_has_the_lowest_cumulative_contribution_under_fedavg(tmp_path, method):
+    summary, _ = run_in_process(
+        FAST.format(rounds=4) + f" attack=sign_flip attack.num_malicious=1 attack.scale=4 ledger.contribution={method}",
+        tmp_path,
+        nodes=5,
+    )
+    run = Path(summary["run_dir"])
+    assert verify_run(run) == []
+    entries = read_entries(run / LEDGER_FILE)
+    assert all("contribution" in n for e in entries for n in e["nodes"])
+    (attacker,) = summary["attack"]["malicious_partitions"]
+    totals = node_totals(run)  # highest contribution first
+    assert totals[-1]["node_id"] == 1000 + attacker, totals  # in-process node 1000 + i holds partition i
+    assert totals[-1]["contribution"] < 0 < totals[0]["contribution"]
+    cli = subprocess.run([sys.executable, "-m", "app.ledger", "report", str(run)], capture_output=True, text=True)
+    assert cli.returncode == 0 and cli.stdout.strip().splitlines()[-3].startswith(f"| {1000 + attacker} |")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ("ledger.contribution=shapley strategy=fedbuff", "not supported yet"),
+        ("ledger.contribution=loo privacy=central", "outside central DP"),
+        ("ledger.contribution=loo ledger=off", "set ledger=on"),
+        ("ledger.contribution=banzhaf", "ledger.contribution"),
+    ],
+)
+def test_contribution_settings_that_cannot_work_are_refused(overrides, words):
+    from app.config.compose import load_config
+    from app.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        load_config(overrides)

@@ -22,6 +22,7 @@ ROBUST_POLICIES = POLICIES
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codecs.py
 DOWNLINKS = ("none", "fp16", "delta")  # app/compression/downlink.py
 LEDGERS = ("on", "off")  # app/ledger/
+CONTRIBUTIONS = ("none", "loo", "shapley")  # app/ledger/contribution.py
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
@@ -173,6 +174,13 @@ class LedgerConfig:
     """The hash-chained contribution ledger, <run>/ledger.jsonl (app/ledger/)."""
 
     name: str = "on"  # on | off
+    contribution: str = "none"  # none | loo | shapley: a score per node and round (app/ledger/contribution.py)
+    # What a coalition's model is worth: loss (minus the validation loss; smooth, tells updates apart
+    # from the first round) or metric (task.metrics' primary, coarse on a few hundred examples)
+    contribution_value: str = "loss"
+    shapley_permutations: int = 20  # shapley: random orders sampled (every order when there are fewer)
+    shapley_tolerance: float = 0.0  # shapley: truncate an order once within this of the round's value
+    validation_examples: int = 500  # the scores' validation data: this many of the server's evaluation split
 
 
 @dataclass(unsafe_hash=True)

@@ -15,6 +15,7 @@ from app.config.schema import (
     BUILTIN_METRICS,
     CHANNELS_LAST_MODES,
     COMPRESSIONS,
+    CONTRIBUTIONS,
     DATASETS,
     DOWNLINKS,
     LEDGERS,
@@ -104,6 +105,28 @@ def validate(cfg: Config) -> Config:
         )
 
     _one_of("ledger", cfg.ledger.name, LEDGERS)
+    led = cfg.ledger
+    _one_of("ledger.contribution", led.contribution, CONTRIBUTIONS)
+    if led.contribution != "none":
+        _require(
+            led.name == "on", "ledger.contribution", led.contribution, "the scores go into the ledger: set ledger=on"
+        )
+        _require(
+            cfg.strategy.name != "fedbuff",
+            "ledger.contribution",
+            led.contribution,
+            "scores are computed per synchronous round; strategy=fedbuff is not supported yet",
+        )
+        _require(
+            cfg.privacy.name not in ("central", "central_adaptive"),
+            "ledger.contribution",
+            led.contribution,
+            "per-node scores from raw updates are outside central DP's epsilon; use privacy=local or none",
+        )
+        _one_of("ledger.contribution_value", led.contribution_value, ("loss", "metric"))
+        _require(led.shapley_permutations >= 1, "ledger.shapley_permutations", led.shapley_permutations, "must be >= 1")
+        _require(led.shapley_tolerance >= 0, "ledger.shapley_tolerance", led.shapley_tolerance, "must be >= 0")
+        _require(led.validation_examples >= 1, "ledger.validation_examples", led.validation_examples, "must be >= 1")
     m = cfg.monitoring
     _require(0 <= m.prometheus_port <= 65535, "monitoring.prometheus_port", m.prometheus_port, "0 (off) or a TCP port")
     _require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")

@@ -11,6 +11,7 @@ from app.ledger.chain import LEDGER_FILE, read_entries
 
 COLUMNS = (
     "node_id",
+    "contribution",
     "tasks",
     "applied",
     "refused",
@@ -24,7 +25,7 @@ COLUMNS = (
 
 
 def node_totals(run_dir: Path) -> list[dict[str, Any]]:
-    """One row per node, most applied weight first."""
+    """One row per node: highest cumulative contribution first (ledger.contribution), then most weight."""
     totals: dict[int, dict[str, Any]] = {}
     for entry in read_entries(Path(run_dir) / LEDGER_FILE):
         for n in entry["nodes"]:
@@ -42,9 +43,10 @@ def node_totals(run_dir: Path) -> list[dict[str, Any]]:
                 row["stale"] += 1
             elif outcome == "missing" or outcome.startswith("failed"):
                 row["missing_or_failed"] += 1
+            row["contribution"] += n.get("contribution", 0.0)
             row["compute_s"] += n.get("reported_compute_s", 0.0)
             row["energy_j"] += n.get("reported_energy_j", 0.0)
-    return sorted(totals.values(), key=lambda r: (-r["weight"], r["node_id"]))
+    return sorted(totals.values(), key=lambda r: (-r["contribution"], -r["weight"], r["node_id"]))
 
 
 def write_report(run_dir: Path) -> tuple[str, Path]:
@@ -56,13 +58,13 @@ def write_report(run_dir: Path) -> tuple[str, Path]:
         writer.writeheader()
         writer.writerows(rows)
     lines = [
-        "| node | tasks | applied | refused | excluded | stale | missing/failed | weight used | compute s (reported) "
-        "| energy J (reported) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| node | contribution | tasks | applied | refused | excluded | stale | missing/failed | weight used "
+        "| compute s (reported) | energy J (reported) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['node_id']} | {r['tasks']} | {r['applied']} | {r['refused']} | {r['excluded']} | {r['stale']} "
+            f"| {r['node_id']} | {r['contribution']:.4g} | {r['tasks']} | {r['applied']} | {r['refused']} | {r['excluded']} | {r['stale']} "
             f"| {r['missing_or_failed']} | {r['weight']:,.0f} | {r['compute_s']:.1f} | {r['energy_j']:.0f} |"
         )
     return "\n".join(lines), out

@@ -26,6 +26,7 @@ from app.config.schema import Config, ConfigError
 from app.ledger.chain import Ledger, model_digest
 from app.protocol import ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from app.run.contributions import RoundScores
 from app.run.factory import (
     build_strategy,
     check_cohort,
@@ -41,7 +42,7 @@ from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.stragglers import client_record, straggler_factors
-from app.task.data import check_partitioning, data_spec, load_splits, materialize, spec_to_record
+from app.task.data import Examples, check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.task.metrics import Task
 from app.task.models import model_key, trainable_keys
 from app.task.training import evaluate, model_inputs, resolve_device, resolve_precision
@@ -49,6 +50,7 @@ from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
 from strategies.partitions import PartitionBinding
 from strategies.replies import payload_bytes
+from strategies.tensor_ops import record_to_tensors
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -177,6 +179,12 @@ class FederatedRun:
             self.recorder = RunRecorder(run_dir, primary=self.task.primary)
         self.recorder.save_config(raw)
         self.monitor = Monitor(self.task.names, cfg.monitoring.max_node_labels)
+        self.scores: RoundScores | None = None
+        if cfg.ledger.contribution != "none":
+            g = torch.Generator().manual_seed(cfg.seed)
+            idx = torch.randperm(len(self.test_data), generator=g)[: cfg.ledger.validation_examples]
+            held = Examples(self.test_data.x[idx], self.test_data.y[idx])
+            self.scores = RoundScores(cfg.ledger, lambda state: self.value_on(held, state), cfg.seed)
         self.ledger: Ledger | None = None
         if cfg.ledger.name == "on":
             self.ledger = Ledger(self.recorder.run_dir)
@@ -250,6 +258,14 @@ class FederatedRun:
         """(loss, {metric: value}) of the model on the server's test split."""
         self.model.load_state_dict(self.full_state(arrays))
         return evaluate(self.model.to(self.device), self.test_data, self.precision, self.task)
+
+    def value_on(self, data: Examples, state: dict[str, torch.Tensor]) -> float:
+        """What the trainable tensors `state` (with the frozen ones) are worth on `data`: minus the
+        loss, or the primary metric (`ledger.contribution_value`); higher is better either way."""
+        frozen = self.frozen.to_torch_state_dict() if self.frozen is not None else {}
+        self.model.load_state_dict({**frozen, **state})
+        loss, metrics = evaluate(self.model.to(self.device), data, self.precision, self.task)
+        return -loss if self.cfg.ledger.contribution_value == "loss" else metrics[self.task.primary]
 
     def describe(self, loss: float | None, metrics: dict[str, float] | None) -> str:
         """The evaluation for a log line: the metrics, then the loss."""
@@ -340,6 +356,7 @@ class FederatedRun:
             config = ConfigRecord(self.client_config)
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
             replies = send_and_receive(grid, messages, timeout)
+            previous = self.arrays
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             client_metrics = reply_metrics(replies)
             self.privacy.record_spending(client_metrics)
@@ -376,7 +393,15 @@ class FederatedRun:
                     self.unpack.take() if self.unpack is not None else None,
                 ),
             }
-            self.finish_round(rnd, row, round_nodes(messages, replies, report, cfg.strategy.name), client_metrics)
+            nodes = round_nodes(messages, replies, report, cfg.strategy.name)
+            if self.scores is not None:
+                scores = self.scores.score(record_to_tensors(previous), strategy.last_valid)
+                for record in nodes:
+                    if record["node_id"] in scores:
+                        record["contribution"] = scores[record["node_id"]]
+                for node, total in self.scores.totals.items():
+                    self.monitor.contribution(node, total)
+            self.finish_round(rnd, row, nodes, client_metrics)
             log.info(
                 "[round %d/%d] %s  %.1fs  clients %d  rejected %d%s",
                 rnd,
