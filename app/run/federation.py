@@ -419,10 +419,10 @@ class FederatedRun:
     def run_versions(self) -> None:
         strategy, cfg = self.strategy, self.cfg
         budget = cfg.federation.max_wall_time_s
-        last, sent_before = time.time(), strategy.tasks_sent
+        last = time.time()
 
         def on_version(report: VersionReport, arrays: ArrayRecord) -> bool:
-            nonlocal last, sent_before
+            nonlocal last
             self.privacy.record_spending(report.client_metrics)
             self.arrays = arrays
             v = report.version
@@ -433,7 +433,7 @@ class FederatedRun:
                 **version_row(report, strategy.tasks_sent),
                 **traffic(report.bytes_down, report.bytes_up, self.unpack.take() if self.unpack is not None else None),
             }
-            last, sent_before = now, strategy.tasks_sent
+            last = now
             self.finish_round(v, row, version_nodes(report, cfg.strategy.buffer_aggregator), report.client_metrics)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
