@@ -10,11 +10,13 @@ their own .npz file or save_to_disk directory.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ from app.protocol import (
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     PARTITION_ID,
+    RECEIPT_HASH,
+    RECEIPT_STEP,
     SERVER_ROUND,
     STATE_DIR,
     TASK,
@@ -228,10 +232,33 @@ def reply_arrays(
     return arrays
 
 
+RECEIPTS = "ledger-receipts"  # ConfigRecord in context.state: ledger step -> the entry hash the server sent
+
+
+def keep_receipt(record: dict, context: Context) -> None:
+    """Keep the receipt a task carries (the ledger entry that recorded this node's previous reply)
+    in the node's state and, with a `state-dir`, in `ledger-receipts-run<id>.jsonl` there, so the
+    site can later show what the server acknowledged (docs/ledger.md#receipts)."""
+    if RECEIPT_HASH not in record:
+        return
+    step, digest = int(record[RECEIPT_STEP]), str(record[RECEIPT_HASH])
+    held = dict(context.state[RECEIPTS]) if RECEIPTS in context.state else {}
+    if held.get(str(step)) == digest:
+        return
+    held[str(step)] = digest
+    context.state[RECEIPTS] = ConfigRecord(held)
+    if state_dir := str(context.node_config.get(STATE_DIR, "") or ""):
+        path = Path(state_dir) / f"ledger-receipts-run{context.run_id}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": step, "hash": digest}) + "\n")
+
+
 @app.train()
 @released
 def train_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
+    keep_receipt(job.record, context)
     settings, attack = job.settings, job.settings.attack
     partition = partition_of(context)
     seed = client_seed(

@@ -171,3 +171,19 @@ def test_contribution_settings_that_cannot_work_are_refused(overrides, words):
 
     with pytest.raises(ConfigError, match=words):
         load_config(overrides)
+
+
+def test_each_task_carries_the_receipt_of_the_nodes_previous_reply(tmp_path):
+    from app.client_app import RECEIPTS
+    from app.client_app import app as client_app
+    from app.simulation.local_grid import InProcessGrid
+
+    grid = InProcessGrid(client_app, 3)
+    grid.contexts[1001].node_config["state-dir"] = str(tmp_path / "site-b")
+    summary, _ = run_in_process(FAST.format(rounds=3), tmp_path, grid=grid)
+    entries = read_entries(Path(summary["run_dir"]) / LEDGER_FILE)
+    expected = {str(e["step"]): e["hash"] for e in entries[:2]}  # round 3's receipt would come with round 4
+    for node in (1000, 1001, 1002):
+        assert dict(grid.contexts[node].state[RECEIPTS]) == expected
+    kept = [json.loads(line) for line in (tmp_path / "site-b" / "ledger-receipts-run1.jsonl").read_text().splitlines()]
+    assert kept == [{"step": int(k), "hash": v} for k, v in expected.items()]

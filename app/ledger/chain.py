@@ -49,6 +49,7 @@ class Ledger:
         self.path = Path(run_dir) / LEDGER_FILE
         self.head = GENESIS
         self.length = 0
+        self.receipts: dict[int, tuple[int, str]] = {}  # node -> (step, hash) of the entry with its last reply
         if self.path.exists():
             entries = read_entries(self.path)
             if (problem := verify_chain(entries)) is not None:
@@ -72,6 +73,9 @@ class Ledger:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
         self.head, self.length = entry["hash"], self.length + 1
+        for node in entry.get("nodes", []):
+            if "reply_sha256" in node:  # the entry records a reply of this node: its next task says so
+                self.receipts[node["node_id"]] = (entry["step"], entry["hash"])
         return entry["hash"]
 
 

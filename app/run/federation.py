@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError
 from app.ledger.chain import Ledger, model_digest
-from app.protocol import ROUNDS_KEY, to_client_record
+from app.protocol import RECEIPT_HASH, RECEIPT_STEP, ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.run.contributions import RoundScores
 from app.run.factory import (
@@ -53,6 +53,8 @@ from strategies.replies import payload_bytes
 from strategies.tensor_ops import record_to_tensors
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
+
+NodeConfig = Callable[[int, Collection[int]], dict[str, Any]]  # as the strategies' node_config
 
 
 def checkpoint_to_resume(cfg: Config, root: Path) -> Path | None:
@@ -230,6 +232,8 @@ class FederatedRun:
         )
         self.stop_reason = "rounds"
         self.privacy = run_privacy(cfg, self.strategy, self.partitions, run_state)
+        if self.ledger is not None:
+            self.strategy.node_config = with_receipts(self.strategy.node_config, self.ledger)
         dp = getattr(self.strategy, "dp", None)
         if dp is not None and dp.delta >= 1 / len(self.nodes):
             log.warning(
@@ -541,6 +545,19 @@ class FederatedRun:
                 self.recorder.run_dir,
             )
         return summary
+
+
+def with_receipts(prior: NodeConfig | None, ledger: Ledger) -> NodeConfig:
+    """The per-node task config (`strategy.node_config`, e.g. local DP's) plus the node's receipt:
+    the step and hash of the ledger entry that recorded its previous reply."""
+
+    def per_node(node: int, connected: Collection[int]) -> dict[str, Any]:
+        extra = prior(node, connected) if prior is not None else {}
+        if (receipt := ledger.receipts.get(node)) is not None:
+            extra = {**extra, RECEIPT_STEP: receipt[0], RECEIPT_HASH: receipt[1]}
+        return extra
+
+    return per_node
 
 
 def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict[str, Any]:
