@@ -4,6 +4,7 @@ key pairs and the `flwr` CLI's connection entry.
     python scripts/credentials.py tls --out certs --dns superlink.example.org --ip 203.0.113.7
     python scripts/credentials.py node-keys --out keys --names lab-a lab-b lab-c
     python scripts/credentials.py superexec-secret --out certs/superexec.secret
+    python scripts/credentials.py ledger-key --out certs
     python scripts/credentials.py flwr-config --name cloud --address superlink.example.org:9092 \
         --root-certificates certs/ca.crt
 
@@ -149,6 +150,19 @@ def make_node_keys(out: Path, names: Sequence[str]) -> list[tuple[Path, Path]]:
     return pairs
 
 
+def make_ledger_key(out: Path) -> tuple[Path, Path]:
+    """An ECDSA P-384 key pair in PEM for signing the contribution ledger's head: `ledger.key`
+    (the ServerApp's `ledger.signing_key`) and `ledger.pub` (for `python -m app.ledger verify
+    --public-key`, handed to the members)."""
+    private_path, public_path = out / "ledger.key", out / "ledger.pub"
+    _refuse_symlinks(private_path, public_path)
+    key = ec.generate_private_key(ec.SECP384R1())
+    _write(private_path, _pem_key(key), private=True)
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    _write(public_path, public)
+    return private_path, public_path
+
+
 def make_superexec_secret(path: Path) -> Path:
     """32 random bytes, hex-encoded (Flower reads the file as raw bytes: any content works,
     text survives copy and paste between hosts), readable by the owner only. An existing
@@ -194,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     keys = sub.add_parser("node-keys", help="ECDSA P-384 key pairs for SuperNodes")
     keys.add_argument("--out", type=Path, required=True)
     keys.add_argument("--names", nargs="+", required=True)
+    ledger = sub.add_parser("ledger-key", help="the key pair that signs the contribution ledger")
+    ledger.add_argument("--out", type=Path, required=True)
     secret = sub.add_parser("superexec-secret", help="the SuperLink <-> SuperExec shared secret")
     secret.add_argument("--out", type=Path, required=True, help="file to write (kept if it exists)")
     cfg = sub.add_parser("flwr-config", help="a [superlink.<name>] entry for the flwr CLI")
@@ -209,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "node-keys":
             for private, public in make_node_keys(args.out, args.names):
                 print(f"{private} (private: only for that SuperNode)  {public} (register it)")
+        elif args.command == "ledger-key":
+            private, public = make_ledger_key(args.out)
+            print(f"{private} (private: the ServerApp's ledger.signing_key)  {public} (give it to the members)")
         elif args.command == "superexec-secret":
             print(make_superexec_secret(args.out))
         else:

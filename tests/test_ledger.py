@@ -187,3 +187,38 @@ def test_each_task_carries_the_receipt_of_the_nodes_previous_reply(tmp_path):
         assert dict(grid.contexts[node].state[RECEIPTS]) == expected
     kept = [json.loads(line) for line in (tmp_path / "site-b" / "ledger-receipts-run1.jsonl").read_text().splitlines()]
     assert kept == [{"step": int(k), "hash": v} for k, v in expected.items()]
+
+
+def test_a_signed_ledger_verifies_with_its_public_key_and_a_forgery_fails(tmp_path):
+    import base64
+
+    from app.ledger.signing import SIGNATURE_FILE
+    from tests.helpers import load_script
+
+    credentials = load_script("credentials")
+    private, public = credentials.make_ledger_key(tmp_path / "keys")
+    _, other = credentials.make_ledger_key(tmp_path / "other")
+    summary, _ = run_in_process(FAST.format(rounds=2) + f" ledger.signing_key={private}", tmp_path)
+    run = Path(summary["run_dir"])
+    assert verify_run(run, public) == []
+    assert any("does not match this public key" in p for p in verify_run(run, other))
+    signed = json.loads((run / SIGNATURE_FILE).read_text())
+    forged = bytearray(base64.b64decode(signed["signature"]))
+    forged[-1] ^= 1
+    (run / SIGNATURE_FILE).write_text(json.dumps({**signed, "signature": base64.b64encode(forged).decode()}))
+    assert any("does not match this public key" in p for p in verify_run(run, public))
+    cli = subprocess.run(
+        [sys.executable, "-m", "app.ledger", "verify", str(run), "--public-key", str(public)],
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 1 and "signature" in cli.stderr
+
+
+def test_an_unreadable_signing_key_stops_the_run_before_training(tmp_path):
+    from app.config.schema import ConfigError
+
+    bad = tmp_path / "not-a-key.pem"
+    bad.write_text("hello")
+    with pytest.raises(ConfigError, match="not a readable unencrypted PEM private key"):
+        run_in_process(FAST.format(rounds=1) + f" ledger.signing_key={bad}", tmp_path)

@@ -181,6 +181,9 @@ class LedgerConfig:
     shapley_permutations: int = 20  # shapley: random orders sampled (every order when there are fewer)
     shapley_tolerance: float = 0.0  # shapley: truncate an order once within this of the round's value
     validation_examples: int = 500  # the scores' validation data: this many of the server's evaluation split
+    signing_key: str | None = (
+        None  # PEM private key: <run>/ledger.sig signs the head (scripts/credentials.py ledger-key)
+    )
 
 
 @dataclass(unsafe_hash=True)

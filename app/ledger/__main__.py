@@ -1,4 +1,4 @@
-"""python -m app.ledger verify RUN_DIR | report RUN_DIR"""
+"""python -m app.ledger verify RUN_DIR [--public-key ledger.pub] | report RUN_DIR"""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.ledger", description="Check or total a run's ledger.jsonl.")
     parser.add_argument("command", choices=("verify", "report"))
     parser.add_argument("run_dir", type=Path, help="the run's results directory (holds ledger.jsonl)")
+    parser.add_argument("--public-key", type=Path, help="verify: the PEM public key ledger.sig must match")
     args = parser.parse_args(argv)
     if args.command == "verify":
-        problems = verify_run(args.run_dir)
+        problems = verify_run(args.run_dir, args.public_key)
         for problem in problems:
             print(f"ledger: {problem}", file=sys.stderr)
         if not problems:

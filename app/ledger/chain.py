@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from app.ledger.signing import sign_head
 
 GENESIS = "0" * 64  # `prev` of a chain's first entry
 LEDGER_FILE = "ledger.jsonl"
@@ -45,8 +48,9 @@ def entry_hash(entry: Mapping[str, Any]) -> str:
 class Ledger:
     """Appends entries to `<run_dir>/ledger.jsonl`, continuing the chain a resumed run left."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, signing_key: ec.EllipticCurvePrivateKey | None = None) -> None:
         self.path = Path(run_dir) / LEDGER_FILE
+        self.signing_key = signing_key  # signs the head after every entry (app/ledger/signing.py)
         self.head = GENESIS
         self.length = 0
         self.receipts: dict[int, tuple[int, str]] = {}  # node -> (step, hash) of the entry with its last reply
@@ -73,6 +77,8 @@ class Ledger:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
         self.head, self.length = entry["hash"], self.length + 1
+        if self.signing_key is not None:
+            sign_head(self.signing_key, self.path.parent, self.head, self.length)
         for node in entry.get("nodes", []):
             if "reply_sha256" in node:  # the entry records a reply of this node: its next task says so
                 self.receipts[node["node_id"]] = (entry["step"], entry["hash"])

@@ -3,6 +3,7 @@
 - the chain: every entry hashes to its `hash` and links to the one before (chain.verify_chain);
 - its end: summary.json records the head hash and the number of entries, so an entry cut off the
   end is caught too;
+- its signature (with the operator's public key): `ledger.sig` signs this head and count;
 - the models: `model_final.pt` hashes to the last entry's `model_after`, and `checkpoint.pt` to
   the `model_after` of the step it was saved after.
 """
@@ -15,10 +16,12 @@ from pathlib import Path
 import torch
 
 from app.ledger.chain import LEDGER_FILE, model_digest, read_entries, verify_chain
+from app.ledger.signing import check_signature
 
 
-def verify_run(run_dir: Path) -> list[str]:
-    """The problems found (empty: the ledger holds), each naming the entry or file concerned."""
+def verify_run(run_dir: Path, public_key: Path | None = None) -> list[str]:
+    """The problems found (empty: the ledger holds), each naming the entry or file concerned;
+    with `public_key`, ledger.sig must sign the chain's head with the matching private key."""
     run_dir = Path(run_dir)
     path = run_dir / LEDGER_FILE
     if not path.exists():
@@ -42,6 +45,10 @@ def verify_run(run_dir: Path) -> list[str]:
                     + (f" ending in {head[:12]}" if head else "")
                     + ": entries were removed or added at the end"
                 )
+    if public_key is not None and (
+        problem := check_signature(run_dir, public_key, entries[-1]["hash"] if entries else None, len(entries))
+    ):
+        problems.append(problem)
     final = run_dir / "model_final.pt"
     if entries and final.exists():
         state = torch.load(final, map_location="cpu", weights_only=True)

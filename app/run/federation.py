@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError
 from app.ledger.chain import Ledger, model_digest
+from app.ledger.signing import load_signing_key
 from app.protocol import RECEIPT_HASH, RECEIPT_STEP, ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.run.contributions import RoundScores
@@ -189,7 +190,13 @@ class FederatedRun:
             self.scores = RoundScores(cfg.ledger, lambda state: self.value_on(held, state), cfg.seed)
         self.ledger: Ledger | None = None
         if cfg.ledger.name == "on":
-            self.ledger = Ledger(self.recorder.run_dir)
+            key = None
+            if cfg.ledger.signing_key:
+                try:
+                    key = load_signing_key(cfg.ledger.signing_key)
+                except ValueError as err:
+                    raise ConfigError(str(err)) from None
+            self.ledger = Ledger(self.recorder.run_dir, key)
             self.ledger.truncate_after(self.first_round - 1)  # steps past the checkpoint are re-run
             self.model_digest = model_digest(self.full_state(self.arrays))
         log.info("results: %s", self.recorder.run_dir)
