@@ -91,13 +91,20 @@ def test_tampering_is_detected_and_named(run_dir, tmp_path, tamper, words):
     assert cli.returncode == 1 and words in cli.stderr
 
 
-def test_resume_continues_the_chain(tmp_path):
+def test_resume_continues_the_chain_and_the_receipts(tmp_path):
+    from app.client_app import RECEIPTS
+    from app.client_app import app as client_app
+    from app.simulation.local_grid import InProcessGrid
+
     first = run_in_process(FAST.format(rounds=2) + " name=led resume=auto", tmp_path)[0]
-    resumed = run_in_process(FAST.format(rounds=4) + " name=led resume=auto", tmp_path)[0]
+    grid = InProcessGrid(client_app, 3)  # new node processes: their states start empty
+    resumed = run_in_process(FAST.format(rounds=4) + " name=led resume=auto", tmp_path, grid=grid)[0]
     assert resumed["run_dir"] == first["run_dir"]
     entries = read_entries(Path(resumed["run_dir"]) / LEDGER_FILE)
     assert [e["step"] for e in entries] == [1, 2, 3, 4] and entries[2]["prev"] == first["ledger"]["head"]
     assert verify_run(Path(resumed["run_dir"])) == []
+    # round 3's tasks carry the receipt for step 2, recorded before the resume
+    assert dict(grid.contexts[1000].state[RECEIPTS]) == {str(e["step"]): e["hash"] for e in entries[1:3]}
 
 
 def test_krum_exclusions_and_rejections_are_on_record(tmp_path):

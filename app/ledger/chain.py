@@ -58,8 +58,19 @@ class Ledger:
             entries = read_entries(self.path)
             if (problem := verify_chain(entries)) is not None:
                 raise ValueError(f"{self.path}: {problem}; refusing to extend a broken chain")
-            if entries:
-                self.head, self.length = entries[-1]["hash"], len(entries)
+            self._continue(entries)
+
+    def _continue(self, entries: list[dict[str, Any]]) -> None:
+        """Take up the chain after `entries`: its head, length and the nodes' latest receipts."""
+        self.head, self.length, self.receipts = GENESIS, 0, {}
+        for entry in entries:
+            self._advance(entry)
+
+    def _advance(self, entry: dict[str, Any]) -> None:
+        self.head, self.length = entry["hash"], self.length + 1
+        for node in entry.get("nodes", []):
+            if "reply_sha256" in node:  # the entry records a reply of this node: its next task says so
+                self.receipts[node["node_id"]] = (entry["step"], entry["hash"])
 
     def truncate_after(self, step: int) -> None:
         """Drop entries past `step` (a resume re-runs the steps after its checkpoint)."""
@@ -67,7 +78,7 @@ class Ledger:
             return
         entries = [e for e in read_entries(self.path) if e["step"] <= step]
         self.path.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in entries))
-        self.head, self.length = (entries[-1]["hash"], len(entries)) if entries else (GENESIS, 0)
+        self._continue(entries)
 
     def append(self, entry: dict[str, Any]) -> str:
         """Chain `entry` (sets `prev` and `hash`), write it, and return its hash."""
@@ -76,12 +87,9 @@ class Ledger:
         with self.path.open("a") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
-        self.head, self.length = entry["hash"], self.length + 1
+        self._advance(entry)
         if self.signing_key is not None:
             sign_head(self.signing_key, self.path.parent, self.head, self.length)
-        for node in entry.get("nodes", []):
-            if "reply_sha256" in node:  # the entry records a reply of this node: its next task says so
-                self.receipts[node["node_id"]] = (entry["step"], entry["hash"])
         return entry["hash"]
 
 

@@ -190,13 +190,11 @@ class FederatedRun:
             self.scores = RoundScores(cfg.ledger, lambda state: self.value_on(held, state), cfg.seed)
         self.ledger: Ledger | None = None
         if cfg.ledger.name == "on":
-            key = None
-            if cfg.ledger.signing_key:
-                try:
-                    key = load_signing_key(cfg.ledger.signing_key)
-                except ValueError as err:
-                    raise ConfigError(str(err)) from None
-            self.ledger = Ledger(self.recorder.run_dir, key)
+            try:
+                key = load_signing_key(cfg.ledger.signing_key) if cfg.ledger.signing_key else None
+                self.ledger = Ledger(self.recorder.run_dir, key)  # a resumed run's chain must verify
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
             self.ledger.truncate_after(self.first_round - 1)  # steps past the checkpoint are re-run
             self.model_digest = model_digest(self.full_state(self.arrays))
         log.info("results: %s", self.recorder.run_dir)
