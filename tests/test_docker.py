@@ -401,3 +401,24 @@ def test_user_packages_install_with_the_constraints() -> None:
     assert "COPY docker/wheels/ /opt/fedgpu/wheels/" in text and (DOCKER / "wheels").is_dir()
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert not ignored & {"docker", "docker/wheels", "**/*.whl", "*.whl"}
+
+
+@pytest.mark.parametrize("layout", ["all-in-one", "server"])
+def test_the_monitoring_profile_adds_prometheus_and_a_loopback_grafana(layout: str, tmp_path: Path) -> None:
+    files, env = LAYOUTS[layout]
+    proc = _compose(files, env, tmp_path, "--profile", "monitoring", "config", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    assert {"prometheus", "grafana", "serverapp"} <= set(services)
+    assert not services["prometheus"].get("ports"), "Prometheus stays inside the compose network"
+    (port,) = services["grafana"]["ports"]
+    assert (port["target"], port.get("host_ip")) == (3000, "127.0.0.1"), port  # like the Control API: loopback
+    mounts = {**_mounts(services["prometheus"]), **_mounts(services["grafana"])}
+    for target, name in [
+        ("/etc/prometheus/prometheus.yml", "prometheus.yml"),
+        ("/etc/grafana/provisioning/datasources/fedgpu.yml", "grafana-datasource.yml"),
+        ("/etc/grafana/provisioning/dashboards/fedgpu.yml", "grafana-dashboards.yml"),
+        ("/var/lib/grafana/dashboards/fedgpu.json", "grafana-dashboard.json"),
+    ]:
+        assert Path(mounts[target]["source"]) == DOCKER / "monitoring" / name and mounts[target]["read_only"], target
+    assert set(_model(layout, tmp_path)["services"]).isdisjoint({"prometheus", "grafana"})  # only with the profile
