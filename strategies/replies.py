@@ -40,8 +40,8 @@ HEADER_ALLOWANCE = 1024
 Unpack = Callable[[ArrayRecord, TensorDict], Mapping]
 """(a reply's compressed arrays, the model the node was sent) -> the node's model (a dict, or an
 `EncodedModel` that reads as one) in the global model's keys, shapes and dtypes; raises ValueError
-when the payload is malformed. Set by the
-app for a compressed uplink (app/compression/wire.py); None: replies carry the model itself."""
+when the payload is malformed. Set by the app for a compressed uplink (app/compression/wire.py);
+None: replies carry the model itself."""
 
 
 @runtime_checkable
