@@ -47,6 +47,11 @@ def _settings(cfg: CompressionConfig) -> dict[str, Any]:
     return {"ratio": cfg.ratio, "quantize_values": cfg.quantize_values}
 
 
+def _on_cpu(model: TensorDict) -> TensorDict:
+    """The model in host memory (no copy for tensors already there: a CPU server)."""
+    return {k: t.detach().cpu() for k, t in model.items()}
+
+
 class Downlink:
     """Server side: each training task's arrays and config keys, and the copies nodes hold."""
 
@@ -69,10 +74,11 @@ class Downlink:
         if mode == "none":
             return record, {}
         if mode == "fp16":
-            if self._half is None or self._half[0] is not model:
-                payload = bundle(encode(model, "fp16"), model, "fp16")
-                self._half = (model, ArrayRecord({PAYLOAD: payload.cpu()}))
+            if self._half is None or self._half[0] is not model:  # once per global model
+                host = _on_cpu(model)
+                self._half = (model, ArrayRecord({PAYLOAD: bundle(encode(host, "fp16"), host, "fp16")}))
             return self._half[1], {DOWNLINK: mode}
+        model = _on_cpu(model)  # copies are kept in host memory; the generator is a CPU one
         copy_id, self._next_id = self._next_id, self._next_id + 1
         held = self._held.get(node)
         if held is None:
@@ -86,7 +92,7 @@ class Downlink:
         copy = {k: base[k] + d if d.dtype.is_floating_point else d for k, d in sent.items()}
         self._pending[node] = (copy_id, copy)
         payload = bundle(parts, delta, self.cfg.name, **settings)
-        return ArrayRecord({PAYLOAD: payload.cpu()}), {DOWNLINK: mode, DOWNLINK_BASE: base_id, DOWNLINK_ID: copy_id}
+        return ArrayRecord({PAYLOAD: payload}), {DOWNLINK: mode, DOWNLINK_BASE: base_id, DOWNLINK_ID: copy_id}
 
     def settle(self, node: int, replied: bool) -> None:
         """The node's task is over: with a reply it holds the task's copy; otherwise who knows."""
