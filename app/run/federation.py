@@ -309,13 +309,14 @@ class FederatedRun:
             log.info("stopping after round %d: %s", rnd, self.stop_reason)
         return True
 
-    def save_state(self, rnd: int, wall_time_s: float) -> None:
-        """Checkpoint the model after `rnd` with the privacy spent so far: central DP's accountant is
-        in the strategy's state, local DP's histories in the run's."""
+    def save_state(self, rnd: int, wall_time_s: float, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Checkpoint the model after `rnd` (`state`: the whole model, when the caller has built it)
+        with the privacy spent so far: central DP's accountant is in the strategy's state, local
+        DP's histories in the run's."""
         save_checkpoint(
             self.recorder.checkpoint_path,
             Checkpoint(
-                self.full_state(self.arrays),
+                state if state is not None else self.full_state(self.arrays),
                 rnd,
                 self.strategy.state_dict(),
                 capture_rng(),
@@ -332,12 +333,13 @@ class FederatedRun:
         row.update(self.privacy.row())
         if (described := self.privacy.describe(row)) is not None:
             log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
+        state = self.full_state(self.arrays)  # hashed for the ledger and checkpointed: built once
         if self.ledger is not None:  # before the checkpoint: a resume drops entries past it
-            before, self.model_digest = self.model_digest, model_digest(self.full_state(self.arrays))
+            before, self.model_digest = self.model_digest, model_digest(state)
             entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
             self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
         # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
-        self.save_state(rnd, row["wall_time_s"])
+        self.save_state(rnd, row["wall_time_s"], state)
         recorded = reported(row, self.cfg.privacy)
         self.recorder.log_round(recorded)
         exact = self.cfg.privacy.name == "none" or self.cfg.privacy.report_exact
