@@ -8,6 +8,7 @@ import json
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -363,3 +364,90 @@ def test_a_running_federation_serves_its_rows(tmp_path: Path) -> None:
     assert label_values(samples, "fedgpu_node_samples_per_second", "node") == {"1000", "1001", "1002"}
     with pytest.raises(urllib.error.URLError):  # the run closed its endpoint
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read().decode())
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """A real Prometheus server (Debian's `prometheus` package; .ci/run installs it) on
+    loopback, scraping a fedgpu endpoint every second: yields (its port, the target port)."""
+    import shutil
+    import subprocess
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no `prometheus` binary on PATH (CI installs Debian's package: .ci/run)")
+    target, port = _free_port(), _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: fedgpu, static_configs: [{{targets: ['127.0.0.1:{target}']}}]}}]\n"
+    )
+    log = (tmp_path / "prometheus.log").open("w")
+    process = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2).close()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"prometheus did not start: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+                time.sleep(0.2)
+        yield port, target
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+def test_a_real_prometheus_scrapes_a_running_federation(tmp_path: Path, prometheus: tuple[int, int]) -> None:
+    """Paused inside round 2 (a node's reply hook) until a real Prometheus server has scraped
+    round 1's row, its query API returns the accuracy series with that row's value."""
+    from flwr.app import Message
+
+    from app.client_app import app as client_app
+    from app.run.results import read_rows
+    from app.simulation.local_grid import InProcessGrid
+    from app.tools.in_process import run_in_process
+
+    port, target = prometheus
+    query = f"http://127.0.0.1:{port}/api/v1/query?query=" + urllib.parse.quote('fedgpu_eval_metric{metric="accuracy"}')
+    seen: list[dict] = []
+
+    def wait_for_prometheus_in_round_two(node_id: int, reply: Message) -> Message:
+        calls.append(node_id)
+        if len(calls) == 4:  # the first reply of round 2 (3 nodes a round)
+            deadline = time.monotonic() + 120  # Prometheus scrapes every second
+            while not (result := _get_json(query)["data"]["result"]) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            seen.extend(result)
+        return reply
+
+    calls: list[int] = []
+    grid = InProcessGrid(client_app, 3, tamper=wait_for_prometheus_in_round_two)
+    overrides = f"federation.rounds=2 train.epochs=1 monitoring.prometheus_port={target}"
+    summary, _ = run_in_process(overrides, tmp_path / "runs", grid=grid)
+    first = read_rows(summary["run_dir"])[0]
+    (series,) = seen
+    assert series["metric"]["job"] == "fedgpu" and series["metric"]["instance"] == f"127.0.0.1:{target}"
+    assert float(series["value"][1]) == pytest.approx(first["accuracy"])
+    targets = _get_json(f"http://127.0.0.1:{port}/api/v1/targets")["data"]["activeTargets"]
+    assert [t["scrapeUrl"] for t in targets] == [f"http://127.0.0.1:{target}/metrics"]
