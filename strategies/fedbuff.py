@@ -192,6 +192,9 @@ class FedBuff(Strategy):
         self.discarded_total = 0
         self.velocity: TensorDict | None = None
         self.buffer: list[ValidReply] = []
+        # The last version's buffer and the model it stepped from, for contribution scores.
+        self.last_buffer: list[ValidReply] = []
+        self.last_base: TensorDict = {}
         self.in_flight: dict[str, InFlight] = {}  # message id -> task
         self.report = VersionReport()
         self._specs: dict[str, ArraySpec] = {}
@@ -443,7 +446,7 @@ class FedBuff(Strategy):
         report.version = self.version
         self._arrays = tensors_to_record(new, consume=True)
         self._models[self.version] = record_to_tensors(self._arrays)
-        self.buffer = []
+        self.last_buffer, self.last_base, self.buffer = self.buffer, current, []
         self._prune_models()
         return self._arrays
 

@@ -67,3 +67,37 @@ def test_values_are_evaluated_once_per_coalition():
     leave_one_out(value, [1, 2, 3])
     shapley(value, [1, 2, 3], permutations=6, rng=random.Random(0))
     assert len(calls) == len(set(calls)) == value.evaluations == 8  # the 2^3 subsets, each once
+
+
+def test_a_fedbuff_buffer_is_scored_from_each_updates_own_base_with_the_server_lr():
+    """Coalition models are previous + lr * weighted mean of (model - its base), summed per node."""
+    from app.config.schema import LedgerConfig
+    from app.run.contributions import RoundScores
+    from strategies.replies import ValidReply
+
+    previous = {"w": torch.tensor([0.0, 0.0])}
+    old = {"w": torch.tensor([1.0, -1.0])}  # a stale update's base
+    target = torch.tensor([1.0, 2.0])
+    buffer = [
+        ValidReply(7, 1.0, None, {"w": torch.tensor([1.0, 2.0])}, base=previous),  # the update (1, 2)
+        ValidReply(8, 3.0, None, {"w": torch.tensor([1.0, -3.0])}, base=old),  # the update (0, -2)
+        ValidReply(7, 2.0, None, {"w": torch.tensor([2.0, 2.0])}),  # no base: from `previous`, (2, 2)
+    ]
+    lr = 0.5
+
+    def v(members: list[int]) -> float:  # the closed form
+        if not members:
+            return -float((previous["w"] - target).pow(2).sum())
+        updates = [buffer[i].arrays["w"] - (buffer[i].base or previous)["w"] for i in members]
+        weights = [buffer[i].weight for i in members]
+        mean = sum(w * u for w, u in zip(weights, updates, strict=True)) / sum(weights)
+        return -float((previous["w"] + lr * mean - target).pow(2).sum())
+
+    metric_of = lambda state: -float((state["w"] - target).pow(2).sum())  # noqa: E731
+    loo = RoundScores(LedgerConfig(contribution="loo"), metric_of, seed=0).score_buffer(previous, buffer, lr)
+    assert loo[7] == pytest.approx((v([0, 1, 2]) - v([1, 2])) + (v([0, 1, 2]) - v([0, 1])))
+    assert loo[8] == pytest.approx(v([0, 1, 2]) - v([0, 2]))
+    exact = RoundScores(LedgerConfig(contribution="shapley", shapley_permutations=6), metric_of, seed=0)
+    scores = exact.score_buffer(previous, buffer, lr)  # 3! orders: exact
+    assert sum(scores.values()) == pytest.approx(v([0, 1, 2]) - v([]))
+    assert exact.totals == scores

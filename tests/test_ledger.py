@@ -139,6 +139,23 @@ def test_fedbuff_versions_are_on_record(tmp_path):
     assert all("staleness" in n and len(n["reply_sha256"]) == 64 for n in applied) and len(applied) >= 6
 
 
+@pytest.mark.parametrize("method", ["loo", "shapley"])
+def test_fedbuff_versions_score_the_buffer_and_rank_a_sign_flipper_last(tmp_path, method):
+    overrides = " strategy=fedbuff strategy.buffer_size=4 attack=sign_flip attack.num_malicious=1 attack.scale=4"
+    summary, _ = run_in_process(FAST.format(rounds=6) + overrides + f" ledger.contribution={method}", tmp_path, nodes=5)
+    run = Path(summary["run_dir"])
+    assert verify_run(run) == []
+    entries = read_entries(run / LEDGER_FILE)
+    for e in entries:  # every node with an update in the buffer is scored, once per version
+        scored = [n["node_id"] for n in e["nodes"] if "contribution" in n]
+        applied = {n["node_id"] for n in e["nodes"] if n["outcome"] == "applied"}
+        assert applied <= set(scored) and len(scored) == len(set(scored)), e["nodes"]
+    (attacker,) = summary["attack"]["malicious_partitions"]
+    totals = node_totals(run)
+    assert totals[-1]["node_id"] == 1000 + attacker, totals
+    assert totals[-1]["contribution"] < 0 < totals[0]["contribution"]
+
+
 def test_ledger_off_writes_none(tmp_path):
     summary, _ = run_in_process(FAST.format(rounds=1) + " ledger=off", tmp_path)
     assert not (Path(summary["run_dir"]) / LEDGER_FILE).exists() and "ledger" not in summary
@@ -166,7 +183,6 @@ def test_a_sign_flipping_node_has_the_lowest_cumulative_contribution_under_fedav
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        ("ledger.contribution=shapley strategy=fedbuff", "not supported yet"),
         ("ledger.contribution=loo privacy=central", "outside central DP"),
         ("ledger.contribution=loo ledger=off", "set ledger=on"),
         ("ledger.contribution=banzhaf", "ledger.contribution"),

@@ -112,12 +112,6 @@ def validate(cfg: Config) -> Config:
             led.name == "on", "ledger.contribution", led.contribution, "the scores go into the ledger: set ledger=on"
         )
         _require(
-            cfg.strategy.name != "fedbuff",
-            "ledger.contribution",
-            led.contribution,
-            "scores are computed per synchronous round; strategy=fedbuff is not supported yet",
-        )
-        _require(
             cfg.privacy.name not in ("central", "central_adaptive"),
             "ledger.contribution",
             led.contribution,

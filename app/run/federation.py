@@ -37,7 +37,7 @@ from app.run.factory import (
     run_privacy,
     uplink_decoder,
 )
-from app.run.ledger_entries import round_nodes, version_nodes
+from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
 from app.run.monitoring import Monitor
 from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
@@ -276,6 +276,13 @@ class FederatedRun:
         loss, metrics = evaluate(self.model.to(self.device), data, self.precision, self.task)
         return -loss if self.cfg.ledger.contribution_value == "loss" else metrics[self.task.primary]
 
+    def record_scores(self, nodes: list[dict], scores: dict[int, float]) -> None:
+        """Put the step's contribution scores into its ledger records, the totals into the metrics."""
+        attach_scores(nodes, scores)
+        assert self.scores is not None
+        for node, total in self.scores.totals.items():
+            self.monitor.contribution(node, total)
+
     def describe(self, loss: float | None, metrics: dict[str, float] | None) -> str:
         """The evaluation for a log line: the metrics, then the loss."""
         if metrics is None or loss is None:
@@ -406,12 +413,7 @@ class FederatedRun:
             }
             nodes = round_nodes(messages, replies, report, cfg.strategy.name)
             if self.scores is not None:
-                scores = self.scores.score(record_to_tensors(previous), strategy.last_valid)
-                for record in nodes:
-                    if record["node_id"] in scores:
-                        record["contribution"] = scores[record["node_id"]]
-                for node, total in self.scores.totals.items():
-                    self.monitor.contribution(node, total)
+                self.record_scores(nodes, self.scores.score(record_to_tensors(previous), strategy.last_valid))
             self.finish_round(rnd, row, nodes, client_metrics)
             log.info(
                 "[round %d/%d] %s  %.1fs  clients %d  rejected %d%s",
@@ -445,7 +447,11 @@ class FederatedRun:
                 **traffic(report.bytes_down, report.bytes_up, self.unpack.take() if self.unpack is not None else None),
             }
             last = now
-            self.finish_round(v, row, version_nodes(report, cfg.strategy.buffer_aggregator), report.client_metrics)
+            nodes = version_nodes(report, cfg.strategy.buffer_aggregator)
+            if self.scores is not None:
+                scores = self.scores.score_buffer(strategy.last_base, strategy.last_buffer, strategy.server_lr)
+                self.record_scores(nodes, scores)
+            self.finish_round(v, row, nodes, report.client_metrics)
             log.info(
                 "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
                 v,

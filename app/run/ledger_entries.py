@@ -20,6 +20,7 @@ from strategies.wire import NUM_EXAMPLES
 
 POWER_KEY = "gpu-device-power-mean-w"  # app/task/telemetry.py: mean NVML board power while training
 COMPUTE_KEY = "wall-time-s"  # the node's training time
+UNSCORED = ("rejected", "failed", "missing", "stale")  # outcomes of updates no score is computed for
 
 
 def _claims(metrics: MetricRecord | None) -> dict[str, Any]:
@@ -110,3 +111,14 @@ def version_nodes(report: VersionReport, rule: str) -> list[dict]:
     out += [{**base(node), "outcome": "stale"} for node in report.stale_nodes]
     out += [{"node_id": r.node_id, "outcome": f"failed: {r.reason}"} for r in report.failed]
     return out
+
+
+def attach_scores(nodes: list[dict], scores: dict[int, float]) -> None:
+    """Each node's contribution score on its first record whose update was scored (applied,
+    excluded or unused; not a rejected, failed, missing or stale one)."""
+    done: set[int] = set()
+    for record in nodes:
+        node = record["node_id"]
+        if node in scores and node not in done and not record["outcome"].startswith(UNSCORED):
+            record["contribution"] = scores[node]
+            done.add(node)
