@@ -163,6 +163,21 @@ def test_report_on_real_runs_and_on_a_single_run_dir(tmp_path: Path) -> None:
     assert float(row["final_metric_mean"]) == pytest.approx(statistics.mean(finals), rel=1e-12)
     assert float(row["final_metric_std"]) == pytest.approx(statistics.stdev(finals), rel=1e-12)
     assert int(row["reached_target"]) == 2 and float(row["rounds_to_target_mean"]) == 1.0
+    assert int(row["ledger_verified"]) == 2 and int(row["ledger_broken"]) == 0
+    runs = {r["path"]: r for r in _read_csv(root / "runs.csv")}
+    for summary in summaries:
+        run = runs[str(Path(summary["run_dir"]).resolve())]
+        assert run["ledger"] == "verified" and run["ledger_head"] == summary["ledger"]["head"]
+        assert float(run["reported_compute_s"]) > 0
+
+    # A ledger altered after the run: counted broken, named under the table with verify's reason.
+    ledger = Path(summaries[1]["run_dir"]) / "ledger.jsonl"
+    ledger.write_text(ledger.read_text().replace('"round"', '"version"', 1))
+    paths = write_report(root, target=0.05)
+    (row,) = _read_csv(paths["csv"])
+    assert int(row["ledger_verified"]) == 1 and int(row["ledger_broken"]) == 1
+    md = paths["md"].read_text()
+    assert "| 1/2 (1 broken) |" in md and "- `s4`: entry 1 (step 1)" in md, md
 
     single = root / "s3"
     (row,) = _read_csv(write_report(single, target=0.05)["csv"])

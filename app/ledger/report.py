@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from app.ledger.chain import LEDGER_FILE, read_entries
+from app.ledger.verify import verify_run
 
 COLUMNS = (
     "node_id",
@@ -47,6 +48,26 @@ def node_totals(run_dir: Path) -> list[dict[str, Any]]:
             row["compute_s"] += n.get("reported_compute_s", 0.0)
             row["energy_j"] += n.get("reported_energy_j", 0.0)
     return sorted(totals.values(), key=lambda r: (-r["contribution"], -r["weight"], r["node_id"]))
+
+
+def run_ledger(run_dir: Path) -> dict[str, Any]:
+    """A run's ledger in one line of a sweep report: whether it verifies (`verified`, `off`, or
+    `broken` with the first problem), its head hash, the compute and energy its nodes reported,
+    and the node with the lowest cumulative contribution (when scored)."""
+    if not (Path(run_dir) / LEDGER_FILE).exists():
+        return {"ledger": "off"}
+    problems = verify_run(run_dir)
+    entries = read_entries(Path(run_dir) / LEDGER_FILE) if not problems else []
+    totals = node_totals(run_dir) if not problems else []
+    scored = any("contribution" in n for e in entries for n in e["nodes"])
+    return {
+        "ledger": "broken" if problems else "verified",
+        "ledger_problem": problems[0] if problems else None,
+        "ledger_head": entries[-1]["hash"] if entries else None,
+        "reported_compute_s": sum(r["compute_s"] for r in totals) if totals else None,
+        "reported_energy_j": sum(r["energy_j"] for r in totals) if totals else None,
+        "lowest_contribution_node": totals[-1]["node_id"] if scored else None,
+    }
 
 
 def write_report(run_dir: Path) -> tuple[str, Path]:

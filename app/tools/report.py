@@ -30,6 +30,7 @@ import numpy as np
 import yaml
 
 from app.config.schema import BUILTIN_METRICS
+from app.ledger.report import run_ledger
 from app.run.results import read_rows, read_summary
 from app.run.tracking import flat_params, metric_names
 
@@ -177,6 +178,9 @@ def run_numbers(run: Run, target: float) -> dict[str, Any]:
         "failed_replies": sum(int(r.get("num_failed") or 0) + int(r.get("num_missing") or 0) for r in run.rows),
         "uplink_mb": s["bytes_up_total"] / 1e6 if s.get("bytes_up_total") is not None else None,
         "downlink_mb": s["bytes_down_total"] / 1e6 if s.get("bytes_down_total") is not None else None,
+        **dict.fromkeys(("ledger_problem", "ledger_head", "reported_compute_s", "reported_energy_j"), None),
+        "lowest_contribution_node": None,
+        **run_ledger(run.path),
         "error": run.error,
         "path": str(run.path),
     }
@@ -219,6 +223,9 @@ def summarize(runs: list[Run], target: float) -> tuple[list[dict[str, Any]], lis
         row["downlink_mb_mean"] = _mean_std([r["downlink_mb"] for r in done])[0]
         for key in ("rejected", "stale_discarded", "failed_replies"):
             row[f"{key}_per_run"] = _mean_std([r[key] for r in done])[0]
+        row["ledger_verified"] = sum(r["ledger"] == "verified" for r in done)
+        row["ledger_broken"] = sum(r["ledger"] == "broken" for r in group)
+        row["reported_compute_s_mean"] = _mean_std([r["reported_compute_s"] for r in done])[0]
         table.append(row)
     return table, per_run
 
@@ -260,8 +267,8 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
         "",
         f"| configuration | runs | failed | final {metric}{unit} | best {metric}{unit} | reached target "
         "| rounds to target | time to target (s) | wall time (s) | ε | rejected / run | stale discarded / run "
-        "| failed replies / run | uplink MB / run | downlink MB / run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| failed replies / run | uplink MB / run | downlink MB / run | ledger verified | compute s / run (reported) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         config = f"`{' '.join(i for i in r['config'].split() if i not in common) or r['config']}`"
@@ -287,6 +294,8 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
                     _pm(r["failed_replies_per_run"], None),
                     _pm(r["uplink_mb_mean"], None, digits=2),
                     _pm(r["downlink_mb_mean"], None, digits=2),
+                    f"{r['ledger_verified']}/{r['runs']}" + (f" ({r['ledger_broken']} broken)" if r["ledger_broken"] else ""),
+                    _pm(r["reported_compute_s_mean"], None),
                 ]
             )
             + " |"
@@ -297,6 +306,10 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
         for r in failed:
             error = " ".join(str(r["error"] or "see its flwr.log").split())
             lines.append(f"- `{Path(r['path']).name}`: {error[:400]}")
+    broken = [r for r in per_run if r["ledger"] == "broken"]
+    if broken:
+        lines += ["", "Ledgers that do not verify (`python -m app.ledger verify RUN` says why):", ""]
+        lines += [f"- `{Path(r['path']).name}`: {r['ledger_problem']}" for r in broken]
     if plot:
         lines += ["", f"![{metric} per round and over wall-clock time]({plot})"]
     return "\n".join(lines) + "\n"
