@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.ledger.chain import LEDGER_FILE, entry_hash, model_digest, read_entries
-from app.ledger.report import node_totals
+from app.ledger.report import cumulative_contributions, node_totals
 from app.ledger.verify import verify_run
 from app.tools.in_process import run_in_process
 
@@ -177,7 +177,13 @@ def test_a_sign_flipping_node_has_the_lowest_cumulative_contribution_under_fedav
     assert totals[-1]["node_id"] == 1000 + attacker, totals  # in-process node 1000 + i holds partition i
     assert totals[-1]["contribution"] < 0 < totals[0]["contribution"]
     cli = subprocess.run([sys.executable, "-m", "app.ledger", "report", str(run)], capture_output=True, text=True)
-    assert cli.returncode == 0 and cli.stdout.strip().splitlines()[-3].startswith(f"| {1000 + attacker} |")
+    assert cli.returncode == 0 and cli.stdout.strip().splitlines()[-4].startswith(f"| {1000 + attacker} |")
+    assert cli.stdout.strip().endswith(f"plot: {run / 'ledger_report.png'}")
+    assert (run / "ledger_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps, curves = cumulative_contributions(run)  # the plot's lines end at the table's totals
+    assert steps == [1, 2, 3, 4] and {n: c[-1] for n, c in curves.items()} == pytest.approx(
+        {r["node_id"]: r["contribution"] for r in totals}
+    )
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"ledger OK: {args.run_dir}")
         return 1 if problems else 0
-    table, csv_path = write_report(args.run_dir)
+    table, csv_path, png = write_report(args.run_dir)
     print(table)
-    print(f"\nCSV: {csv_path}")
+    print(f"\nCSV: {csv_path}\nplot: {png}")
     return 0
 
 
