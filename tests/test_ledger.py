@@ -251,3 +251,40 @@ def test_an_unreadable_signing_key_stops_the_run_before_training(tmp_path):
     bad.write_text("hello")
     with pytest.raises(ConfigError, match="not a readable unencrypted PEM private key"):
         run_in_process(FAST.format(rounds=1) + f" ledger.signing_key={bad}", tmp_path)
+
+
+def test_node_keys_are_named_as_ssh_keygen_prints_them(tmp_path):
+    """A registered SuperNode's key (PEM, as the SuperLink stores it, or OpenSSH) gives the
+    fingerprint `ssh-keygen -lf` prints; a run whose grid lists keys records them per node."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.proto.node_pb2 import NodeInfo
+
+    from app.client_app import app as client_app
+    from app.ledger.nodes import key_fingerprint
+    from app.simulation.local_grid import InProcessGrid
+
+    pems, expected = {}, {}
+    for i, node in enumerate((1000, 1001)):  # node 1002 has no key: simulation, or no node auth
+        public = ec.generate_private_key(ec.SECP384R1()).public_key()
+        ssh = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        (tmp_path / f"n{i}.pub").write_bytes(ssh + b"\n")
+        out = subprocess.run(["ssh-keygen", "-lf", str(tmp_path / f"n{i}.pub")], capture_output=True, text=True)
+        expected[node] = out.stdout.split()[1]
+        pems[node] = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        assert key_fingerprint(pems[node]) == key_fingerprint(ssh) == expected[node]
+    assert key_fingerprint(b"") is None and key_fingerprint(b"not a key") is None
+
+    class KeyedGrid(InProcessGrid):
+        asked = 0
+
+        def get_nodes(self):  # noqa: ANN202 - what Flower's grid returns in a deployment
+            KeyedGrid.asked += 1
+            return [NodeInfo(node_id=n, public_key=pems.get(n, b"")) for n in self.get_node_ids()]
+
+    summary, _ = run_in_process(FAST.format(rounds=2), tmp_path / "runs", grid=KeyedGrid(client_app, 3))
+    run = Path(summary["run_dir"])
+    assert verify_run(run) == []
+    records = [n for e in read_entries(run / LEDGER_FILE) for n in e["nodes"]]
+    assert len(records) == 6 and {n["node_id"]: n.get("node_key") for n in records} == {**expected, 1002: None}
+    assert KeyedGrid.asked == 1  # asked once, when the ids were new

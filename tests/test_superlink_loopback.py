@@ -45,6 +45,7 @@ import httpx
 import numpy as np
 import pytest
 
+from app.ledger.chain import LEDGER_FILE, read_entries
 from app.tools.processes import free_ports, kill_matching, parse_flwr_json, stop_processes
 from tests.helpers import load_script
 
@@ -467,6 +468,11 @@ def _train_size(n: int, val_fraction: float = 0.1) -> int:
     return n - math.ceil(n * val_fraction)
 
 
+def _ssh_fingerprint(public_key: Path) -> str:
+    out = subprocess.run(["ssh-keygen", "-lf", str(public_key)], capture_output=True, text=True, check=True)
+    return out.stdout.split()[1]  # "384 SHA256:... name (ECDSA)"
+
+
 def test_secure_federation_with_node_local_data_survives_a_killed_node(tmp_path: Path) -> None:
     """The shipped configuration: TLS with our CA, SuperNode authentication with registered
     keys, the Runtime API locked to our SuperExec, and each SuperNode reading its own data
@@ -512,6 +518,10 @@ def test_secure_federation_with_node_local_data_survives_a_killed_node(tmp_path:
         # (missing), or answered by the SuperLink with an error once it marks the node offline.
         assert all(r["node_id"] == dead for r in row["rejected"]), row["rejected"]
     assert rows[1]["num_missing"] + rows[1]["num_rejected"] == 1, rows[1]
+    # The ledger names each node by its registered key too, as `ssh-keygen -lf` prints it.
+    keys = {fed.node_ids[i]: _ssh_fingerprint(fed.creds / "keys" / f"node-{i}.pub") for i in range(3)}
+    records = [n for e in read_entries(Path(summary["run_dir"]) / LEDGER_FILE) for n in e["nodes"]]
+    assert len(records) >= 7 and all(n["node_key"] == keys[n["node_id"]] for n in records), records
 
 
 def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:

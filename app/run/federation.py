@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError
 from app.ledger.chain import Ledger, model_digest
+from app.ledger.nodes import NodeKeys
 from app.ledger.signing import load_signing_key
 from app.protocol import RECEIPT_HASH, RECEIPT_STEP, ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
@@ -197,6 +198,7 @@ class FederatedRun:
                 raise ConfigError(str(err)) from None
             self.ledger.truncate_after(self.first_round - 1)  # steps past the checkpoint are re-run
             self.model_digest = model_digest(self.full_state(self.arrays))
+            self.node_keys = NodeKeys(grid.get_nodes)
         log.info("results: %s", self.recorder.run_dir)
         self.strategy.summary()
         log.info(
@@ -342,6 +344,7 @@ class FederatedRun:
             log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
         state = self.full_state(self.arrays)  # hashed for the ledger and checkpointed: built once
         if self.ledger is not None:  # before the checkpoint: a resume drops entries past it
+            self.node_keys.name(nodes)
             before, self.model_digest = self.model_digest, model_digest(state)
             entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
             self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
