@@ -45,7 +45,6 @@ from app.protocol import (
     ClientSettings,
 )
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
-from app.simulation.stragglers import slow_down
 from app.task.batch_size import resolve_batch_size
 from app.task.data import (
     DataSpec,
@@ -297,12 +296,10 @@ def train_handler(msg: Message, context: Context) -> Message:
                 stats = train(job.model, train_data, cfg, job.precision, seed, scaler_state, job.task)
             dp_metrics = {}
             save_scaler_state(context.state, stats.scaler_state)
-    delay = slow_down(job.record, partition, stats.wall_time_s, seed)
     metrics: dict[str, float | int | list[float] | list[int]] = {
         NUM_EXAMPLES: reported_examples(attack, stats.num_examples) if malicious else stats.num_examples,
         "wall-time-s": stats.wall_time_s,
         "steps": stats.steps,
-        "straggler-delay-s": delay,
         **telemetry.metrics(),
         **dp_metrics,
     }
@@ -337,4 +334,13 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     metrics = {NUM_EXAMPLES: len(job.val_data), EVAL_LOSS: loss, **{EVAL_PREFIX + k: v for k, v in values.items()}}
     if (partition := partition_of(context)) is not None:
         metrics[PARTITION_ID] = partition  # the server caps num-examples at its partition's validation size
+    return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query()
+def query_handler(msg: Message, context: Context) -> Message:
+    """Which partition this node simulates (the server's fleet profiles are per partition:
+    app/simulation/virtual_clock.py); a deployed node answers without one."""
+    partition = partition_of(context)
+    metrics = {PARTITION_ID: partition} if partition is not None else {}
     return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

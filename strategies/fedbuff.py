@@ -461,16 +461,18 @@ class FedBuff(Strategy):
         first_version: int = 0,
         deadline: float | None = None,
         drain: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> ArrayRecord:
         """Keep nodes busy and step the model until `on_version` returns True (stop) or
-        the monotonic `deadline` passes. Returns the last global model.
+        `clock()` (monotonic time, or a simulation's virtual clock) passes `deadline`. Returns
+        the last global model.
 
         `drain=True` then waits for the tasks still out (each until its deadline) and keeps
         their metrics in `report.client_metrics`: a local-DP node spends ε on a task whether
         or not its update is used, and that spending must reach the server's record."""
         self.set_model(arrays, first_version)
         next_wait_log = 0.0
-        while deadline is None or time.monotonic() < deadline:
+        while deadline is None or clock() < deadline:
             self._push(grid, config)
             replies = list(grid.pull_messages(list(self.in_flight))) if self.in_flight else []
             self.expire(time.monotonic())

@@ -17,6 +17,8 @@ from strategies.names import POLICIES, ROBUST_RULES
 STRATEGIES = ("fedavg", *ROBUST_RULES, "fedbuff")
 BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
 STRAGGLERS = ("none", "fixed", "lognormal")
+FLEET_SPEEDS = ("uniform", "fixed", "lognormal", "devices")  # app/simulation/fleet.py
+AVAILABILITY = ("always", "bernoulli", "trace")
 PRIVACY = ("none", "central", "central_adaptive", "local")
 ROBUST_POLICIES = POLICIES
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codecs.py
@@ -213,6 +215,26 @@ class StragglersConfig:
     dropout: float = 0.0  # probability that a training task crashes part way
 
 
+@dataclass
+class FleetConfig:
+    """Simulated devices, links and availability on a virtual clock (app/simulation/fleet.py).
+    Per-partition lists are cycled (partition i takes item i % len)."""
+
+    name: str = "none"  # none: real time (and stragglers=...'s short form); else a profile on a virtual clock
+    speed: str = "uniform"  # uniform | fixed | lognormal | devices: each partition's compute speed
+    reference_samples_per_s: float = 2000.0  # training examples/s of the reference device (an RTX 4090) on this task
+    factors: list[float] = field(default_factory=list)  # fixed: slowdown of partition 0, 1, ... (rest 1.0)
+    sigma: float = 1.0  # lognormal: slowdown exp(sigma * (z - min z)), z ~ N(0, 1) per partition, seeded
+    devices: list[str] = field(default_factory=list)  # devices: device class of each partition (cycled)
+    device_speeds: dict[str, float] = field(default_factory=dict)  # speeds over the reference, beside the built-ins
+    downlink_mbps: list[float] = field(default_factory=lambda: [1000.0])
+    uplink_mbps: list[float] = field(default_factory=lambda: [1000.0])
+    latency_ms: list[float] = field(default_factory=lambda: [0.0])  # one way
+    availability: str = "always"  # always | bernoulli | trace
+    completion_p: float = 1.0  # bernoulli: probability that a task completes (else the node drops out mid-task)
+    trace: str = ""  # trace: CSV of offline intervals, columns partition,offline_from_s,offline_until_s
+
+
 @dataclass(unsafe_hash=True)
 class FederationConfig:
     rounds: int = 10
@@ -274,6 +296,7 @@ class Config:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -11,6 +11,7 @@ from typing import Any
 from app.config.schema import (
     AMP_MODES,
     ATTACKS,
+    AVAILABILITY,
     BUFFER_AGGREGATORS,
     BUILTIN_METRICS,
     CHANNELS_LAST_MODES,
@@ -18,6 +19,7 @@ from app.config.schema import (
     CONTRIBUTIONS,
     DATASETS,
     DOWNLINKS,
+    FLEET_SPEEDS,
     LEDGERS,
     MODELS,
     OPTIMIZERS,
@@ -134,6 +136,7 @@ def validate(cfg: Config) -> Config:
         _require(bool(g.factors), "stragglers.factors", g.factors, "stragglers=fixed needs a list, e.g. [5,5,5]")
     _require(g.sigma >= 0, "stragglers.sigma", g.sigma, "must be >= 0")
     _require(0 <= g.dropout < 1, "stragglers.dropout", g.dropout, "must be in [0, 1)")
+    _validate_fleet(cfg)
 
     a = cfg.attack
     _one_of("attack.name", a.name, ATTACKS)
@@ -484,3 +487,36 @@ def _validate_privacy(cfg: Config) -> None:
             p.noise_multiplier,
             "local DP-SGD needs noise > 0 or privacy.target_epsilon > 0",
         )
+
+
+def _validate_fleet(cfg: Config) -> None:
+    """The fleet profile (app/simulation/fleet.py); stragglers=... is its short form, not a second one."""
+    f = cfg.fleet
+    if f.name == "none":
+        return
+    _require(
+        cfg.stragglers.name == "none" and cfg.stragglers.dropout == 0,
+        "stragglers",
+        cfg.stragglers.name,
+        f"stragglers is the short form of a fleet profile; with fleet={f.name} set the slowdowns in "
+        "fleet.speed / fleet.factors / fleet.sigma and drop-outs in fleet.completion_p",
+    )
+    _one_of("fleet.speed", f.speed, FLEET_SPEEDS)
+    _one_of("fleet.availability", f.availability, AVAILABILITY)
+    _require(f.reference_samples_per_s > 0, "fleet.reference_samples_per_s", f.reference_samples_per_s, "must be > 0")
+    if f.speed == "fixed":
+        _require(bool(f.factors), "fleet.factors", f.factors, "fleet.speed=fixed needs slowdowns, e.g. [5,5,5]")
+    _require(all(x > 0 for x in f.factors), "fleet.factors", f.factors, "slowdowns must be > 0")
+    _require(f.sigma >= 0, "fleet.sigma", f.sigma, "must be >= 0")
+    if f.speed == "devices":
+        _require(
+            bool(f.devices), "fleet.devices", f.devices, "fleet.speed=devices needs device classes, e.g. [rtx4090,t4]"
+        )
+    _require(all(v > 0 for v in f.device_speeds.values()), "fleet.device_speeds", f.device_speeds, "must be > 0")
+    for key in ("downlink_mbps", "uplink_mbps"):
+        values = getattr(f, key)
+        _require(bool(values) and all(v > 0 for v in values), f"fleet.{key}", values, "a non-empty list of rates > 0")
+    _require(bool(f.latency_ms) and all(v >= 0 for v in f.latency_ms), "fleet.latency_ms", f.latency_ms, "values >= 0")
+    _require(0 < f.completion_p <= 1, "fleet.completion_p", f.completion_p, "must be in (0, 1]")
+    if f.availability == "trace":
+        _require(bool(f.trace), "fleet.trace", f.trace, "fleet.availability=trace needs a CSV file (docs/fleet.md)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -131,22 +132,29 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
     return FedBuff(buffer_rule=rule, **buffer)
 
 
+def partition_sizes(cfg: Config, labels: np.ndarray, num_partitions: int) -> Callable[[int], tuple[int, int]]:
+    """partition -> (training, validation) examples of a simulated node, computed the way the
+    ClientApp splits its data (`partition_indices`, `validation_size`), once per partition."""
+
+    @functools.cache
+    def train_and_validation(partition: int) -> tuple[int, int]:
+        n = len(partition_indices(labels, num_partitions, partition, cfg.partition, cfg.seed))
+        held_out = validation_size(n, cfg.dataset.val_fraction)
+        return n - held_out, held_out
+
+    return train_and_validation
+
+
 def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> WeightCap:
     """The most examples a node's reply may count for (its FedAvg / FedBuff weight).
 
     `federation.max_examples_per_node` for every node; a node bound to a simulated
     partition is held to what that partition really has: its training part for
     training replies, its validation part for evaluation replies. Sizes are computed
-    the way the ClientApp splits its data (`partition_indices`, `validation_size`),
-    once per partition, when a node first claims it.
+    by `partition_sizes`, when a node first claims it.
     """
     limit = cfg.federation.max_examples_per_node
-
-    @functools.cache
-    def train_and_validation(partition: int) -> tuple[int, int]:
-        n = len(partition_indices(labels, binding.num_partitions, partition, cfg.partition, cfg.seed))
-        held_out = validation_size(n, cfg.dataset.val_fraction)
-        return n - held_out, held_out
+    train_and_validation = partition_sizes(cfg, labels, binding.num_partitions)
 
     def cap(node_id: int, metrics: MetricRecord, kind: str) -> float:
         partition = binding.bind(node_id, metrics.get(PARTITION_ID))

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from app.config.schema import Config, ConfigError
+from app.config.schema import Config, ConfigError, FleetConfig
 from app.ledger.chain import Ledger, model_digest
 from app.ledger.nodes import NodeKeys
 from app.ledger.signing import load_signing_key
@@ -35,6 +35,7 @@ from app.run.factory import (
     downlink_encoder,
     example_cap,
     global_model,
+    partition_sizes,
     run_privacy,
     uplink_decoder,
 )
@@ -43,7 +44,8 @@ from app.run.monitoring import Monitor
 from app.run.results import RunRecorder, new_run_dir
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
-from app.simulation.stragglers import client_record, straggler_factors
+from app.simulation.fleet import describe, fleet_of, fleet_profiles
+from app.simulation.virtual_clock import VirtualClockGrid, discover_partitions
 from app.task.data import Examples, check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.task.metrics import Task
 from app.task.models import model_key, trainable_keys
@@ -160,6 +162,10 @@ class FederatedRun:
         # Simulated nodes report their partition; the first claim binds (strategies/partitions.py).
         self.partitions = PartitionBinding(len(self.nodes))
         self.strategy.weight_cap = example_cap(cfg, train_source.labels, self.partitions)
+        self.clock: VirtualClockGrid | None = None
+        self.fleet: dict[str, Any] | None = None
+        if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
+            self.grid = self.clock = self.start_clock(fleet, train_source.labels)
         run_state: dict[str, Any] = {}
         if resume := checkpoint_to_resume(cfg, root):
             ckpt = load_checkpoint(resume)
@@ -177,6 +183,8 @@ class FederatedRun:
             if "local_dp_history" in run_state:  # a checkpoint from before HistoryLedger: histories only
                 run_state = {"local_dp": {"histories": run_state["local_dp_history"]}}
             self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round, primary=self.task.primary)
+            if self.clock is not None and self.recorder.rows:  # tasks out at the crash are lost
+                self.clock.now = float(self.recorder.rows[-1].get("sim_time_s") or 0.0)
             log.info("resuming %s after round %d", resume, ckpt.round)
         else:
             run_dir = new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name, reuse=cfg.resume == "auto")
@@ -220,20 +228,11 @@ class FederatedRun:
         )
         if self.attacked:
             log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, self.attacked, cfg.attack.scale)
-        self.slowdowns = straggler_factors(cfg.stragglers, len(self.nodes), cfg.seed)
-        if cfg.stragglers.name != "none":
-            log.info(
-                "stragglers %s: slowdown per partition %s, dropout %g",
-                cfg.stragglers.name,
-                [round(x, 2) for x in self.slowdowns],
-                cfg.stragglers.dropout,
-            )
         # One live record: FedBuff copies it into every task (per-node additions: strategy.node_config).
         self.client_config = ConfigRecord(
             {
                 **to_client_record(cfg),
                 **spec_to_record(spec),
-                **client_record(cfg.stragglers, len(self.nodes), cfg.seed),
                 ROUNDS_KEY: cfg.federation.rounds,  # local DP plans its noise over all rounds
             }
         )
@@ -264,6 +263,33 @@ class FederatedRun:
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.started
+
+    def budget_time(self) -> float:
+        """What federation.max_wall_time_s counts: simulated seconds on a virtual clock, else wall time."""
+        return self.clock.now if self.clock is not None else self.elapsed()
+
+    def start_clock(self, fleet: FleetConfig, labels: Any) -> VirtualClockGrid:  # noqa: ANN401 - label array
+        """The virtual clock over the grid: each node's partition (asked once), its profile, and
+        the work each task means (its partition's training examples x epochs; evaluation: its
+        validation examples)."""
+        cfg = self.cfg
+        partitions = discover_partitions(self.grid, self.nodes, cfg.federation.node_wait_timeout_s)
+        for node, partition in partitions.items():
+            if self.partitions.bind(node, partition) is None:
+                raise ConfigError(f"fleet: node {node} claims partition {partition} of {len(self.nodes)}")
+        profiles = fleet_profiles(fleet, len(self.nodes), cfg.seed)
+        sizes = partition_sizes(cfg, labels, len(self.nodes))
+
+        def work(partition: int, kind: str) -> float:
+            train, validation = sizes(partition)
+            return {MessageType.TRAIN: train * cfg.train.epochs, MessageType.EVALUATE: validation}.get(kind, 0)
+
+        log.info("fleet %s on a virtual clock: %s", fleet.name, describe(profiles))
+        self.fleet = {
+            **asdict(fleet),
+            "samples_per_s_per_partition": [p.samples_per_s for p in profiles],
+        }
+        return VirtualClockGrid(self.grid, profiles, partitions, work, cfg.seed)
 
     def central_eval(self, arrays: ArrayRecord) -> tuple[float, dict[str, float]]:
         """(loss, {metric: value}) of the model on the server's test split."""
@@ -298,7 +324,7 @@ class FederatedRun:
         return (
             step % f.eval_every == 0
             or step >= f.rounds
-            or bool(f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s)
+            or bool(f.max_wall_time_s and self.budget_time() >= f.max_wall_time_s)
         )
 
     def should_stop(self, rnd: int, metrics: dict[str, float] | None) -> bool:
@@ -308,8 +334,8 @@ class FederatedRun:
         value = (metrics or {}).get(str(f.target_metric))
         if f.target_value and value is not None and value >= f.target_value:
             self.stop_reason = f"target {f.target_metric} {f.target_value} reached"
-        elif f.max_wall_time_s and self.elapsed() >= f.max_wall_time_s:
-            self.stop_reason = f"wall-clock budget {f.max_wall_time_s:.0f} s spent"
+        elif f.max_wall_time_s and self.budget_time() >= f.max_wall_time_s:
+            self.stop_reason = f"{'simulated' if self.clock else 'wall-clock'} budget {f.max_wall_time_s:.0f} s spent"
         elif rnd >= f.rounds:
             self.stop_reason = "rounds"
         else:
@@ -365,9 +391,17 @@ class FederatedRun:
             "loss": loss,
             "wall_time_s": self.elapsed(),
             "round_time_s": step_s,
+            **({"sim_time_s": self.clock.now} if self.clock is not None else {}),
         }
 
     # --- synchronous rounds ------------------------------------------------------
+    def exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
+        """Send a round's tasks and collect the replies within the round timeout (simulated
+        seconds on a virtual clock, where a late reply is dropped as missing)."""
+        if self.clock is not None:
+            return self.clock.send_and_receive(messages, timeout=timeout)
+        return send_and_receive(self.grid, messages, timeout)
+
     def run_rounds(self) -> None:
         strategy, grid, cfg = self.strategy, self.grid, self.cfg
         timeout = cfg.federation.round_timeout_s
@@ -376,7 +410,7 @@ class FederatedRun:
             t0 = time.time()
             config = ConfigRecord(self.client_config)
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
-            replies = send_and_receive(grid, messages, timeout)
+            replies = self.exchange(messages, timeout)
             previous = self.arrays
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             client_metrics = reply_metrics(replies)
@@ -393,7 +427,7 @@ class FederatedRun:
             tasks = list(messages)
             if federated_eval:
                 eval_msgs = list(strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid))
-                fed_eval = strategy.aggregate_evaluate(rnd, send_and_receive(grid, eval_msgs, timeout))
+                fed_eval = strategy.aggregate_evaluate(rnd, self.exchange(eval_msgs, timeout))
                 tasks += eval_msgs
             loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
             row = {
@@ -468,7 +502,8 @@ class FederatedRun:
             )
             return self.should_stop(v, metrics)
 
-        deadline = time.monotonic() + budget - self.elapsed() if budget else None
+        clock = (lambda: self.clock.now) if self.clock is not None else time.monotonic
+        deadline = clock() + budget - self.budget_time() if budget else None
         self.arrays = strategy.run(
             self.grid,
             self.arrays,
@@ -477,14 +512,15 @@ class FederatedRun:
             first_version=self.first_round - 1,
             deadline=deadline,
             drain=self.privacy.drain,
+            clock=clock,
         )
         if self.privacy.drain and strategy.report.client_metrics:
             # Replies after the last version (and the tasks still out at the stop, drained) spent their
             # steps too: on record and checkpointed.
             self.privacy.record_spending(strategy.report.client_metrics)
             self.save_state(strategy.version, self.elapsed())
-        if deadline is not None and time.monotonic() >= deadline:
-            self.stop_reason = f"wall-clock budget {budget:.0f} s spent"
+        if deadline is not None and clock() >= deadline:
+            self.stop_reason = f"{'simulated' if self.clock else 'wall-clock'} budget {budget:.0f} s spent"
 
     def final_evaluation(self) -> dict[str, Any]:
         """The final model's metrics when the last row did not evaluate it.
@@ -537,7 +573,7 @@ class FederatedRun:
                 "num_nodes": len(self.nodes),
                 "stop_reason": self.stop_reason if status == "completed" else None,
                 "attack": {**asdict(cfg.attack), "malicious_partitions": self.attacked},
-                "stragglers": {**asdict(cfg.stragglers), "slowdown_per_partition": self.slowdowns},
+                **({"fleet": self.fleet} if self.fleet is not None else {}),
                 "privacy": self.privacy.summary(),
                 "final_model": str(self.recorder.final_model_path),
                 "checkpoint": str(self.recorder.checkpoint_path),

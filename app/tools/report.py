@@ -294,7 +294,8 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
                     _pm(r["failed_replies_per_run"], None),
                     _pm(r["uplink_mb_mean"], None, digits=2),
                     _pm(r["downlink_mb_mean"], None, digits=2),
-                    f"{r['ledger_verified']}/{r['runs']}" + (f" ({r['ledger_broken']} broken)" if r["ledger_broken"] else ""),
+                    f"{r['ledger_verified']}/{r['runs']}"
+                    + (f" ({r['ledger_broken']} broken)" if r["ledger_broken"] else ""),
                     _pm(r["reported_compute_s_mean"], None),
                 ]
             )

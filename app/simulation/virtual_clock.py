@@ -1,0 +1,252 @@
+"""A virtual clock for simulated fleets: a Grid that hands replies back in simulated-time order.
+
+Flower's simulation engine runs ClientApps on a few workers, so a slow node cannot be played by
+sleeping: it would block a worker, and every aggregation rule would see the same throughput.
+Instead (as FedScale and Plato do) each task gets a simulated duration and nothing sleeps:
+
+    duration = latency + downlink bytes / downlink rate + work / speed + latency + uplink bytes / uplink rate
+
+with the node's profile (app/simulation/fleet.py), the task's real serialised sizes, and its
+work counted by the server (its partition's training examples x epochs; evaluation: its
+validation examples). A task starts when it is sent or, if its node is still busy, when the
+node's previous task ends.
+
+The grid is a conservative discrete-event simulator. The ClientApps run for real, in parallel,
+in whatever order Flower runs them; a reply is handed to the strategy only once no task still
+out could finish earlier in simulated time: every task's finish is at least its start plus
+latency, downlink and compute, known when it is sent. Replies are released one at a time, in
+(finish, partition, send order) order, and the clock moves to each one's finish: a FedBuff
+node is sent its next task at the simulated moment it became idle. The order, and so the
+versions, staleness values and models, do not depend on the host or on how many simulation
+workers there are.
+
+A task whose node drops out (`fleet.completion_p`) or goes offline (`fleet.trace`) before its
+predicted finish is never run: its error reply comes back at that moment. The prediction uses
+the node's last reply's size for the upload (this task's download size before any reply).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import count
+
+import numpy as np
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from app.config.schema import ConfigError
+from app.simulation.fleet import NodeProfile
+from strategies.replies import payload_bytes
+from strategies.wire import PARTITION_ID
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+FLEET_ERROR_CODE = 0  # flwr ErrorCode.UNKNOWN: the node is gone, as a real dropout looks to the server
+Work = Callable[[int, str], float]  # (partition, message type) -> examples the task processes
+
+
+@dataclass
+class Task:
+    node: int
+    partition: int
+    seq: int  # send order: the last tie-break
+    start: float
+    bound: float  # the earliest possible finish: start + latency + downlink + compute
+    arrived: bool = False
+
+
+class VirtualClockGrid(Grid):
+    """`grid` with simulated time: `now`, replies in simulated-finish order, offline nodes hidden."""
+
+    def __init__(
+        self, grid: Grid, profiles: list[NodeProfile], partitions: dict[int, int], work: Work, seed: int
+    ) -> None:
+        self.inner, self.profiles, self.partitions, self.work, self.seed = grid, profiles, partitions, work, seed
+        self.now = 0.0
+        self.busy_until: dict[int, float] = {}
+        self.in_flight: dict[str, Task] = {}
+        self._arrived: list[tuple[float, int, int, str, Message]] = []  # heap of (finish, partition, seq, id, reply)
+        self._seq = count()
+        self._tasks_per_partition: dict[int, int] = {}
+        self._upload_bytes: dict[int, int] = {}  # node -> its last reply's size
+        self._asked_at: float | None = None
+
+    # --- Grid --------------------------------------------------------------------------
+    def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
+        self.inner.set_run(run)
+
+    @property
+    def run(self):  # noqa: ANN201
+        return self.inner.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001, ANN201
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> list[int]:
+        """The simulated nodes online now, in partition order. Asked again at the same moment with
+        nothing in flight (a caller waiting for nodes), the clock jumps to the next return."""
+        known = [n for n in self.inner.get_node_ids() if n in self.partitions]
+        online = sorted((n for n in known if self._profile(n).online_at(self.now)), key=self.partitions.__getitem__)
+        waiting = self._asked_at == self.now and not self.in_flight and not self._arrived
+        if len(online) < len(known) and waiting:
+            self.now = min(self._profile(n).back_online(self.now) for n in known if n not in online)
+            log.info("virtual clock: no task out, waiting for nodes: t=%.1f s, when the next one is back", self.now)
+            return self.get_node_ids()
+        self._asked_at = self.now
+        return online
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids: list[str | None] = []
+        real: list[tuple[int, Message, Task]] = []
+        for msg in messages:
+            task, failure = self._schedule(msg)
+            if failure is None:
+                ids.append(None)
+                real.append((len(ids) - 1, msg, task))
+                continue
+            at, reason = failure
+            mid = f"virtual-{task.seq}"
+            msg.metadata.__dict__["_message_id"] = mid  # never sent: the reply below answers this id
+            reply = Message(Error(code=FLEET_ERROR_CODE, reason=reason), reply_to=msg)
+            self.in_flight[mid] = task
+            task.arrived = True
+            heapq.heappush(self._arrived, (at, task.partition, task.seq, mid, reply))
+            self.busy_until[task.node] = at
+            ids.append(mid)
+        if real:
+            for (i, _msg, task), mid in zip(real, self.inner.push_messages([m for _, m, _ in real]), strict=True):
+                ids[i] = mid
+                self.in_flight[mid] = task
+        return [mid for mid in ids if mid is not None]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        """At most one reply: the earliest in simulated time, once no task out can finish before it."""
+        wanted = set(message_ids)
+        self._collect()
+        while self._arrived and self._arrived[0][3] not in wanted:  # given up by the caller
+            _, _, _, mid, _ = heapq.heappop(self._arrived)
+            self.in_flight.pop(mid, None)
+        if not self._arrived:
+            return []
+        finish, partition, seq, mid, reply = self._arrived[0]
+        waiting_on = [(t.bound, t.partition, t.seq) for m, t in self.in_flight.items() if not t.arrived and m in wanted]
+        if waiting_on and min(waiting_on) < (finish, partition, seq):
+            return []
+        heapq.heappop(self._arrived)
+        self._release(mid, finish)
+        return [reply]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """A synchronous round: every reply that finishes within `timeout` simulated seconds of the
+        round's start, in finish order. The clock then stands at the slowest of them, or at the
+        timeout when some node missed it (that node stays busy until its task ends)."""
+        start = self.now
+        ids = set(self.push_messages(messages))
+        while any(not self.in_flight[m].arrived for m in ids):
+            self._collect()
+            if any(not self.in_flight[m].arrived for m in ids):
+                time.sleep(0.02)
+        deadline = start + timeout if timeout else math.inf
+        mine = sorted(e for e in self._arrived if e[3] in ids)
+        self._arrived = [e for e in self._arrived if e[3] not in ids]
+        heapq.heapify(self._arrived)
+        replies = []
+        for finish, _, _, mid, reply in mine:
+            if finish <= deadline:
+                self._release(mid, finish)
+                replies.append(reply)
+            else:
+                node = self.in_flight.pop(mid).node
+                self.busy_until[node] = finish
+                log.info("virtual clock: node %s finishes at t=%.1f s, after the round's timeout", node, finish)
+        if len(replies) < len(mine):
+            self.now = max(self.now, deadline)
+        return replies
+
+    # --- the clock ---------------------------------------------------------------------
+    def _profile(self, node: int) -> NodeProfile:
+        return self.profiles[self.partitions[node]]
+
+    def _schedule(self, msg: Message) -> tuple[Task, tuple[float, str] | None]:
+        """The task's start and earliest finish, and (when, why) if its node will not finish it."""
+        node = msg.metadata.dst_node_id
+        partition = self.partitions[node]
+        p = self.profiles[partition]
+        start = max(self.now, self.busy_until.get(node, 0.0))
+        down = payload_bytes(msg.content) if msg.has_content() else 0
+        compute = self.work(partition, msg.metadata.message_type) / p.samples_per_s
+        bound = start + p.latency_s + down / p.downlink_bps + compute
+        predicted = bound + p.latency_s + self._upload_bytes.get(node, down) / p.uplink_bps
+        task = Task(node, partition, next(self._seq), start, bound)
+        self.busy_until[node] = predicted
+        n = self._tasks_per_partition.get(partition, 0)
+        self._tasks_per_partition[partition] = n + 1
+        failures = []
+        if not p.online_at(start):
+            failures.append((start, f"node offline at t={start:.1f} s (fleet.trace)"))
+        if (left := p.leaves_during(start, predicted)) is not None:
+            failures.append((left, f"node went offline at t={left:.1f} s, mid-task (fleet.trace)"))
+        if p.completion_p < 1:
+            rng = np.random.default_rng([self.seed, 0xF1EE7, partition, n])
+            if rng.random() >= p.completion_p:
+                at = start + float(rng.random()) * (predicted - start)
+                failures.append((at, f"node dropped out at t={at:.1f} s, mid-task (fleet.completion_p)"))
+        return task, min(failures) if failures else None
+
+    def _collect(self) -> None:
+        """Take the replies that have come back from the ClientApps, each at its simulated finish."""
+        pending = [m for m, t in self.in_flight.items() if not t.arrived]
+        if not pending:
+            return
+        for reply in self.inner.pull_messages(pending):
+            mid = reply.metadata.reply_to_message_id
+            task = self.in_flight[mid]
+            task.arrived = True
+            finish = task.bound
+            if reply.has_content():
+                size = payload_bytes(reply.content)
+                self._upload_bytes[task.node] = size
+                finish += self._profile(task.node).latency_s + size / self._profile(task.node).uplink_bps
+            heapq.heappush(self._arrived, (finish, task.partition, task.seq, mid, reply))
+
+    def _release(self, mid: str, finish: float) -> None:
+        task = self.in_flight.pop(mid)
+        self.now = max(self.now, finish)
+        self.busy_until[task.node] = finish
+
+
+def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[int, int]:
+    """node id -> the partition it simulates, asked of every node (a QUERY message, answered by
+    the ClientApp from its node config). A node without one is a deployed node: fleet profiles
+    are for simulation only, and the run stops here, before any training."""
+    queries = [
+        Message(RecordDict({"config": ConfigRecord({"fleet": True})}), n, MessageType.QUERY, ttl=timeout_s)
+        for n in nodes
+    ]
+    ids = list(grid.push_messages(queries))
+    node_of = dict(zip(ids, nodes, strict=True))
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(found) < len(nodes) and time.monotonic() < deadline:
+        for reply in grid.pull_messages([m for m in ids if node_of[m] not in found]):
+            node = node_of[reply.metadata.reply_to_message_id]
+            records = [] if reply.has_error() else list(reply.content.metric_records.values())
+            metrics = records[0] if records else MetricRecord()
+            if PARTITION_ID not in metrics:
+                why = reply.error.reason if reply.has_error() else "it has no partition-id in its node config"
+                raise ConfigError(
+                    f"fleet: node {node} is not a simulated node ({why}); fleet profiles and stragglers "
+                    "simulate nodes under `flwr run` simulation: a deployment runs in real time (fleet=none "
+                    "stragglers=none)"
+                )
+            found[node] = int(metrics[PARTITION_ID])
+        if len(found) < len(nodes):
+            time.sleep(0.02)
+    if len(found) < len(nodes):
+        raise RuntimeError(f"fleet: {len(nodes) - len(found)} node(s) did not say their partition in {timeout_s:.0f} s")
+    return found
