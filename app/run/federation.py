@@ -289,7 +289,9 @@ class FederatedRun:
             **asdict(fleet),
             "samples_per_s_per_partition": [p.samples_per_s for p in profiles],
         }
-        return VirtualClockGrid(self.grid, profiles, partitions, work, cfg.seed)
+        f = cfg.federation
+        needed = 1 if self.strategy.asynchronous else max(f.min_available_nodes, f.min_train_nodes)
+        return VirtualClockGrid(self.grid, profiles, partitions, work, cfg.seed, min_nodes=needed)
 
     def central_eval(self, arrays: ArrayRecord) -> tuple[float, dict[str, float]]:
         """(loss, {metric: value}) of the model on the server's test split."""

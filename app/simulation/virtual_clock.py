@@ -64,9 +64,16 @@ class VirtualClockGrid(Grid):
     """`grid` with simulated time: `now`, replies in simulated-finish order, offline nodes hidden."""
 
     def __init__(
-        self, grid: Grid, profiles: list[NodeProfile], partitions: dict[int, int], work: Work, seed: int
+        self,
+        grid: Grid,
+        profiles: list[NodeProfile],
+        partitions: dict[int, int],
+        work: Work,
+        seed: int,
+        min_nodes: int = 1,
     ) -> None:
         self.inner, self.profiles, self.partitions, self.work, self.seed = grid, profiles, partitions, work, seed
+        self.min_nodes = min_nodes  # what the strategy needs online to send work
         self.now = 0.0
         self.busy_until: dict[int, float] = {}
         self.in_flight: dict[str, Task] = {}
@@ -74,7 +81,6 @@ class VirtualClockGrid(Grid):
         self._seq = count()
         self._tasks_per_partition: dict[int, int] = {}
         self._upload_bytes: dict[int, int] = {}  # node -> its last reply's size
-        self._asked_at: float | None = None
 
     # --- Grid --------------------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
@@ -88,17 +94,18 @@ class VirtualClockGrid(Grid):
         return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
 
     def get_node_ids(self) -> list[int]:
-        """The simulated nodes online now, in partition order. Asked again at the same moment with
-        nothing in flight (a caller waiting for nodes), the clock jumps to the next return."""
+        """The simulated nodes online now, in partition order. Fewer than `min_nodes` with nothing
+        in flight: a caller would wait for nodes, so the clock jumps to when enough are back."""
         known = [n for n in self.inner.get_node_ids() if n in self.partitions]
-        online = sorted((n for n in known if self._profile(n).online_at(self.now)), key=self.partitions.__getitem__)
-        waiting = self._asked_at == self.now and not self.in_flight and not self._arrived
-        if len(online) < len(known) and waiting:
-            self.now = min(self._profile(n).back_online(self.now) for n in known if n not in online)
-            log.info("virtual clock: no task out, waiting for nodes: t=%.1f s, when the next one is back", self.now)
-            return self.get_node_ids()
-        self._asked_at = self.now
-        return online
+        while True:
+            online = [n for n in known if self._profile(n).online_at(self.now)]
+            if len(online) >= self.min_nodes or self.in_flight or self._arrived:
+                return sorted(online, key=self.partitions.__getitem__)
+            back = [self._profile(n).back_online(self.now) for n in known if n not in online]
+            if not back:  # never enough: the caller's own wait reports it
+                return sorted(online, key=self.partitions.__getitem__)
+            self.now = min(back)
+            log.info("virtual clock: %d node(s) online, waiting for more: t=%.1f s", len(online), self.now)
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         ids: list[str | None] = []
