@@ -60,12 +60,14 @@ def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         stop_processes(home, grace_s=10.0)
 
 
-def flwr_run(env: dict[str, str], out_dir: Path, overrides: str, app_dir: Path = ROOT) -> tuple[int, str, str | None]:
+def flwr_run(
+    env: dict[str, str], out_dir: Path, overrides: str, app_dir: Path = ROOT, federation: str = FEDERATION
+) -> tuple[int, str, str | None]:
     """`flwr run <app dir> --stream`; returns (exit code, output without colours, run id)."""
     cmd = [
         "flwr", "run", str(app_dir), "--stream",
         "--run-config", f"output-dir='{out_dir}' overrides='{overrides}'",
-        "--federation-config", FEDERATION,
+        "--federation-config", federation,
     ]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -180,7 +182,50 @@ def test_flwr_run_fedbuff_with_stragglers(flwr_env: dict[str, str], tmp_path: Pa
     full = rows[0]["bytes_down"]  # the first tasks carry the whole model: no node holds a copy yet
     assert all(r["num_rejected"] == 0 and 0 < r["bytes_up"] < full / 10 for r in rows), rows
     assert sum(r["bytes_down_total"] for r in rows) < summary["fedbuff"]["tasks_sent"] * full / 2, rows
-    assert len(summary["stragglers"]["slowdown_per_partition"]) == 3
+    assert len(summary["fleet"]["samples_per_s_per_partition"]) == 3  # stragglers: a fleet's short form
+    times = [r["sim_time_s"] for r in rows]
+    assert times == sorted(times) and times[0] > 0, rows
+
+
+def _finished_run(env: dict[str, str], out_dir: Path, overrides: str, federation: str) -> tuple[dict, list[dict]]:
+    code, out, run_id = flwr_run(env, out_dir, overrides, federation=federation)
+    assert code == 0 and run_id, out[-4000:]
+    assert run_status(env, run_id)["status"] == "finished:completed", out[-4000:]
+    (summary_path,) = out_dir.rglob("summary.json")
+    rows = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
+    return json.loads(summary_path.read_text()), rows
+
+
+def test_flwr_run_on_a_virtual_clock_is_the_same_on_one_or_two_workers(flwr_env: dict[str, str], tmp_path: Path) -> None:
+    """Flower's simulation engine with one ClientApp worker (2 CPUs each) and with two (1 CPU
+    each): a FedBuff run on a device fleet with drop-outs gives the same versions, staleness
+    values, simulated times and final model."""
+    import torch
+
+    from app.ledger.chain import model_digest
+
+    overrides = (
+        "strategy=fedbuff strategy.buffer_size=2 fleet=devices fleet.availability=bernoulli "
+        "fleet.completion_p=0.8 federation.rounds=6 train.epochs=1 train.deterministic=true"
+    )
+    runs = []
+    for cpus in (2, 1):
+        fed = f"num-supernodes=4 client-resources-num-cpus={cpus}"
+        summary, rows = _finished_run(flwr_env, tmp_path / f"cpus{cpus}", overrides, fed)
+        partition = {int(n): p for n, p in summary["fleet"]["partition_of_node"].items()}  # ids differ per run
+        steps = [
+            (
+                r["sim_time_s"],
+                r["accuracy"],
+                r["staleness"],
+                [(partition[u["node_id"]], u["staleness"], u["weight"]) for u in r["applied"]],
+                [(partition[f["node_id"]], f["reason"]) for f in r["failed"]],
+            )
+            for r in rows
+        ]
+        runs.append((steps, model_digest(torch.load(summary["final_model"], weights_only=True))))
+    assert runs[0] == runs[1]
+    assert any(step[4] for step in runs[0][0])  # drop-outs happened
 
 
 USER_MODULE = """

@@ -288,6 +288,7 @@ class FederatedRun:
         self.fleet = {
             **asdict(fleet),
             "samples_per_s_per_partition": [p.samples_per_s for p in profiles],
+            "partition_of_node": {str(node): p for node, p in sorted(partitions.items(), key=lambda i: i[1])},
         }
         f = cfg.federation
         needed = 1 if self.strategy.asynchronous else max(f.min_available_nodes, f.min_train_nodes)

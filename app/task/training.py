@@ -271,13 +271,18 @@ class LoopClock:
 def kernel_settings(cfg: TrainConfig, fixed_shapes: bool) -> Iterator[None]:
     """cuDNN autotuning only where batch shapes repeat, deterministic kernels on request.
 
+    Deterministic also means one intra-op CPU thread: CPU kernels split their reductions by
+    thread count, so the same task would round differently in a ClientApp given 1 CPU and in
+    one given 2 (Flower's simulation sizes workers by `client-resources-num-cpus`).
     These are process-wide flags, restored afterwards; nodes trained concurrently in one
     process (the in-process grid) share them, which is fine as they share one config.
     """
     cudnn = torch.backends.cudnn
     before = (cudnn.benchmark, cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
+    threads = torch.get_num_threads()
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic workspace
+        torch.set_num_threads(1)
     cudnn.benchmark = cfg.cudnn_benchmark and fixed_shapes and not cfg.deterministic
     cudnn.deterministic = cfg.deterministic
     torch.use_deterministic_algorithms(cfg.deterministic)
@@ -286,6 +291,7 @@ def kernel_settings(cfg: TrainConfig, fixed_shapes: bool) -> Iterator[None]:
     finally:
         cudnn.benchmark, cudnn.deterministic = before[0], before[1]
         torch.use_deterministic_algorithms(before[2])
+        torch.set_num_threads(threads)
 
 
 def make_scaler(precision: Precision, state: dict[str, float | int] | None) -> torch.amp.GradScaler | None:
