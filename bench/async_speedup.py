@@ -1,26 +1,28 @@
-"""Time to a target accuracy: synchronous FedAvg vs FedBuff with stragglers.
+"""Time to a target accuracy in simulated time: sync FedAvg vs FedBuff vs FedBuff with a robust
+buffer, through Flower's simulation engine (`flwr run`) with fleet profiles on a virtual clock.
 
-    python bench/async_speedup.py                     # both settings, seed 42
-    python bench/async_speedup.py --seeds 42 43 44    # more seeds
+    python bench/async_speedup.py                                  # 10 nodes, every setting, seed 42
+    python bench/async_speedup.py --nodes 10 100 --seeds 42 43 44
+    python bench/async_speedup.py --host-check                    # + 100 nodes x 50 versions, fleet vs none
 
-The default task (digits, small CNN, the default local training) on 10 nodes, in two settings:
-3 nodes 5x slower (`stragglers=fixed`), and lognormal slowdowns with sigma = 1
-(`stragglers=lognormal`). Per setting and seed, sync FedAvg runs `--rounds` rounds;
-FedBuff then gets exactly the wall-clock time sync took (`federation.max_wall_time_s`).
-Both run here, one after the other, through the real ClientApp on 10 concurrent
-in-process nodes (app/simulation/local_grid.py, one thread per node): stragglers really sleep
-(s − 1) x their measured compute time, and wall time is real. Time to target is the
-wall time of the first central evaluation at or above `--target`.
+Every run is a real `flwr run` (app/tools/sweep.py's run_in_simulation: a local SuperLink in
+simulation mode, the installed environment) on the default task. Per node count, setting and
+seed, sync FedAvg runs `--rounds` rounds; FedBuff and FedBuff with a median buffer then get
+exactly the simulated time sync took (`federation.max_wall_time_s`, simulated seconds on a
+virtual clock). Time to target is the simulated time of the first central evaluation at or above
+`--target`; host time is the run's wall time on this machine.
 
-Prints a table with both times, the speedup and both final accuracies, writes the
-numbers as JSON and an accuracy-vs-time plot that overlays the runs.
+Settings (conf/fleet/): "3 nodes 5x slower" (fleet=fixed), "lognormal sigma=1" (fleet=lognormal),
+and a mixed device-class fleet with wide-area links (fleet=devices).
+
+`--host-check` also runs 100 nodes x 50 FedBuff versions with fleet=lognormal and with fleet=none,
+side by side, and prints the ratio of their host times (the virtual clock must not cost time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 import tempfile
@@ -32,125 +34,182 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import cpu_model  # noqa: E402
 
-from app.tools.compare_runs import draw_curves, read_curve  # noqa: E402
-from app.tools.in_process import run_in_process  # noqa: E402
+from app.run.results import clock_s, read_rows, read_summary  # noqa: E402
+from app.tools.compare_runs import draw_curves  # noqa: E402
+from app.tools.sweep import run_in_simulation  # noqa: E402
 
-SETTINGS = {"3 nodes 5x slower": "stragglers=fixed", "lognormal sigma=1": "stragglers=lognormal stragglers.sigma=1.0"}
-FEDBUFF = "strategy=fedbuff federation.eval_every=2 federation.rounds=100000"
+SETTINGS = {
+    "3 nodes 5x slower": "fleet=fixed",
+    "lognormal sigma=1": "fleet=lognormal",
+    "devices + WAN": "fleet=devices",
+}
+STRATEGIES = {
+    "sync FedAvg": "",
+    "FedBuff": "strategy=fedbuff federation.eval_every=2",
+    "FedBuff, median buffer": "strategy=fedbuff strategy.buffer_aggregator=median strategy.buffer_size=5 "
+    "federation.eval_every=2",
+}
 
 
-def run(overrides: str, root: Path, nodes: int) -> dict:
-    """One run's summary; every node trains in its own thread."""
-    return run_in_process(overrides, root, nodes=nodes, workers=nodes)[0]
+def flwr_run(name: str, overrides: str, root: Path, nodes: int) -> dict:
+    """One `flwr run` in simulation; its summary, the host seconds it took and its run directory."""
+    job = root / "jobs" / name
+    job.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    result = run_in_simulation(
+        job,
+        root / "runs",
+        [f"name={name}", *overrides.split()],
+        f"num-supernodes={nodes} client-resources-num-cpus=1",
+        0,
+    )
+    if result["error"]:
+        raise RuntimeError(f"{name}: {result['error']} (log: {job / 'flwr.log'})")
+    run_dir = root / "runs" / name
+    return {"summary": read_summary(run_dir), "host_s": time.monotonic() - t0, "run_dir": str(run_dir)}
 
 
 def time_to(target: float, run_dir: str) -> float | None:
-    times, _, accs = read_curve(Path(run_dir))
-    return next((t for t, a in zip(times, accs, strict=True) if a >= target), None)
-
-
-def curve(run_dir: str) -> list[list[float]]:
-    """[wall time, accuracy] of every evaluation, kept in the JSON with the summary numbers."""
-    times, _, accs = read_curve(Path(run_dir))
-    return [[round(t, 2), a] for t, a in zip(times, accs, strict=True)]
+    return next((clock_s(r) for r in read_rows(Path(run_dir)) if (r.get("accuracy") or 0) >= target), None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=15, help="sync FedAvg rounds (sets the shared time budget)")
+    parser.add_argument("--nodes", type=int, nargs="+", default=[10])
+    parser.add_argument("--rounds", type=int, default=12, help="sync FedAvg rounds (sets the simulated-time budget)")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
-    parser.add_argument("--fedbuff", default="", help="extra Hydra overrides for the FedBuff runs")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--host-check", action="store_true", help="100 nodes x 50 versions, fleet vs none")
     parser.add_argument("--out", type=Path, default=Path("docs/async-results.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/async.png"))
     parser.add_argument("--runs", type=Path, default=None, help="keep run directories here (default: a temp dir)")
     args = parser.parse_args()
-    logging.getLogger("flwr").setLevel(logging.WARNING)
     root = args.runs or Path(tempfile.mkdtemp(prefix="async-bench-"))
+    print(f"machine: {cpu_model()}; target accuracy {args.target}; runs in {root}", flush=True)
 
-    print(f"machine: {cpu_model()}; {args.nodes} nodes, target accuracy {args.target}; runs in {root}")
     results = []
-    for setting, stragglers in SETTINGS.items():
-        for seed in args.seeds:
-            common = f"seed={seed} {stragglers}"
-            t0 = time.time()
-            sync = run(f"federation.rounds={args.rounds} {common}", root, args.nodes)
-            budget = sync["wall_time_s"]
-            fedbuff = run(
-                f"{FEDBUFF} federation.max_wall_time_s={budget:.1f} {common} {args.fedbuff}", root, args.nodes
-            )
-            t_sync, t_buff = time_to(args.target, sync["run_dir"]), time_to(args.target, fedbuff["run_dir"])
-            row = {
-                "setting": setting,
-                "seed": seed,
-                "slowdowns": [round(x, 2) for x in sync["stragglers"]["slowdown_per_partition"]],
-                "sync_time_to_target_s": t_sync,
-                "fedbuff_time_to_target_s": t_buff,
-                "speedup": t_sync / t_buff if t_sync and t_buff else None,
-                "sync_final_accuracy": sync["final_accuracy"],
-                "fedbuff_final_accuracy": fedbuff["final_accuracy"],
-                "sync_rounds": sync["rounds_completed"],
-                "fedbuff_versions": fedbuff["rounds_completed"],
-                "fedbuff_discarded_stale": fedbuff["fedbuff"]["discarded_stale"],
-                "budget_s": budget,
-                "sync_run": sync["run_dir"],
-                "fedbuff_run": fedbuff["run_dir"],
-                "sync_curve": curve(sync["run_dir"]),
-                "fedbuff_curve": curve(fedbuff["run_dir"]),
-            }
-            results.append(row)
-            print(
-                f"{setting:>18} seed {seed}: to {args.target:.0%}: sync {t_sync or float('nan'):6.1f} s, "
-                f"FedBuff {t_buff or float('nan'):6.1f} s -> {row['speedup'] or float('nan'):.2f}x; final accuracy "
-                f"sync {sync['final_accuracy']:.4f} ({sync['rounds_completed']} rounds), FedBuff "
-                f"{fedbuff['final_accuracy']:.4f} ({fedbuff['rounds_completed']} versions) "
-                f"[{time.time() - t0:.0f} s]",
-                flush=True,
-            )
+    for nodes in args.nodes:
+        for setting in args.settings:
+            for seed in args.seeds:
+                common = f"seed={seed} {SETTINGS[setting]}"
+                tag = f"n{nodes}-{SETTINGS[setting].split('=')[1]}-s{seed}"
+                sync = flwr_run(f"{tag}-sync", f"federation.rounds={args.rounds} {common}", root, nodes)
+                budget = clock_s(read_rows(Path(sync["run_dir"]))[-1])
+                row = {"nodes": nodes, "setting": setting, "seed": seed, "budget_sim_s": budget, "runs": {}}
+                for label, overrides in STRATEGIES.items():
+                    out = (
+                        sync
+                        if not overrides
+                        else flwr_run(
+                            f"{tag}-{label.split(',')[0].replace(' ', '').lower()}{'-robust' if ',' in label else ''}",
+                            f"{overrides} federation.rounds=100000 federation.max_wall_time_s={budget:.3f} {common}",
+                            root,
+                            nodes,
+                        )
+                    )
+                    s = out["summary"]
+                    row["runs"][label] = {
+                        "time_to_target_sim_s": time_to(args.target, out["run_dir"]),
+                        "final_accuracy": s["final_accuracy"],
+                        "steps": s["rounds_completed"],
+                        "host_s": round(out["host_s"], 1),
+                        "run_dir": out["run_dir"],
+                    }
+                sync_t = row["runs"]["sync FedAvg"]["time_to_target_sim_s"]
+                for r in row["runs"].values():
+                    t = r["time_to_target_sim_s"]
+                    r["speedup"] = sync_t / t if sync_t and t else None
+                results.append(row)
+                print(
+                    f"{nodes:>4} nodes {setting:>18} seed {seed}: "
+                    + "; ".join(
+                        f"{label} {_f(r['time_to_target_sim_s'])} s sim ({_f(r['speedup'], 2)}x), final "
+                        f"{r['final_accuracy']:.4f}, {r['steps']} steps, host {r['host_s']:.0f} s"
+                        for label, r in row["runs"].items()
+                    ),
+                    flush=True,
+                )
 
-    print(
-        f"\n| setting | seeds | sync to {args.target:.0%} (s) | FedBuff to {args.target:.0%} (s) | speedup | final sync | final FedBuff |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for setting in SETTINGS:
-        rows = [r for r in results if r["setting"] == setting]
-        speedups = [r["speedup"] for r in rows if r["speedup"]]
-
-        def mean(key: str, rows: list[dict] = rows) -> float:
-            values = [r[key] for r in rows if r[key] is not None]
-            return statistics.mean(values) if values else float("nan")
-
+    host = host_check(root) if args.host_check else None
+    table(results, args.target)
+    if host:
         print(
-            f"| {setting} | {len(rows)} | {mean('sync_time_to_target_s'):.1f} | {mean('fedbuff_time_to_target_s'):.1f} "
-            f"| {statistics.mean(speedups) if speedups else float('nan'):.2f}x "
-            f"(min {min(speedups) if speedups else float('nan'):.2f}x) | {mean('sync_final_accuracy'):.4f} "
-            f"| {mean('fedbuff_final_accuracy'):.4f} |"
+            f"\n100 nodes x 50 FedBuff versions: host {host['fleet_host_s']:.0f} s with fleet=lognormal, "
+            f"{host['none_host_s']:.0f} s with fleet=none: ratio {host['ratio']:.2f}"
         )
-
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"machine": cpu_model(), "target": args.target, "nodes": args.nodes, "runs": results}, indent=2)
-        + "\n"
-    )
+    payload = {
+        "machine": cpu_model(),
+        "target": args.target,
+        "rounds": args.rounds,
+        "runs": results,
+        "host_check": host,
+    }
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
     plot(results, args.plot, args.target)
     print(f"wrote {args.out} and {args.plot}")
 
 
+def _f(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def host_check(root: Path) -> dict:
+    """The same 100-node, 50-version FedBuff run with and without a fleet profile."""
+    common = "strategy=fedbuff federation.rounds=50 federation.eval_every=10 train.epochs=1 seed=42"
+    fleet = flwr_run("host-fleet", f"{common} fleet=lognormal", root, 100)
+    none = flwr_run("host-none", f"{common} fleet=none", root, 100)
+    return {
+        "fleet_host_s": round(fleet["host_s"], 1),
+        "none_host_s": round(none["host_s"], 1),
+        "ratio": fleet["host_s"] / none["host_s"],
+        "fleet_versions": fleet["summary"]["rounds_completed"],
+        "none_versions": none["summary"]["rounds_completed"],
+    }
+
+
+def table(results: list[dict], target: float) -> None:
+    print(
+        f"\n| nodes | setting | seeds | strategy | to {target:.0%} (simulated s) | speedup | final accuracy | host s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for nodes in dict.fromkeys(r["nodes"] for r in results):
+        for setting in dict.fromkeys(r["setting"] for r in results):
+            rows = [r for r in results if r["nodes"] == nodes and r["setting"] == setting]
+            if not rows:
+                continue
+            for label in STRATEGIES:
+                runs = [r["runs"][label] for r in rows]
+
+                def mean(key: str, runs: list[dict] = runs) -> float | None:
+                    values = [r[key] for r in runs if r[key] is not None]
+                    return statistics.mean(values) if values else None
+
+                speedups = [r["speedup"] for r in runs if r["speedup"]]
+                reached = sum(r["time_to_target_sim_s"] is not None for r in runs)
+                print(
+                    f"| {nodes} | {setting} | {len(rows)} | {label} | {_f(mean('time_to_target_sim_s'))} "
+                    f"({reached}/{len(runs)} reached) | {_f(mean('speedup'), 2)}x"
+                    f"{f' (min {min(speedups):.2f}x)' if len(speedups) > 1 else ''} | "
+                    f"{_f(mean('final_accuracy'), 4)} | {_f(mean('host_s'), 0)} |"
+                )
+
+
 def plot(results: list[dict], path: Path, target: float) -> None:
-    """Accuracy over wall-clock time of each setting's first seed, sync and FedBuff overlaid."""
+    """Accuracy over simulated time of each setting's first run, the three strategies overlaid."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first: dict[str, dict] = {}
+    first: dict[tuple[int, str], dict] = {}
     for r in results:
-        first.setdefault(r["setting"], r)
-    fig, axes = plt.subplots(1, len(first), figsize=(6 * len(first), 4.2), squeeze=False)
-    for ax, (setting, r) in zip(axes[0], first.items(), strict=True):
-        runs = [("sync FedAvg", Path(r["sync_run"])), ("FedBuff", Path(r["fedbuff_run"]))]
-        draw_curves(ax, runs, "time", title=f"{setting} (seed {r['seed']})", target=target)
+        first.setdefault((r["nodes"], r["setting"]), r)
+    fig, axes = plt.subplots(1, len(first), figsize=(5.5 * len(first), 4.2), squeeze=False)
+    for ax, ((nodes, setting), r) in zip(axes[0], first.items(), strict=True):
+        runs = [(label, Path(run["run_dir"])) for label, run in r["runs"].items()]
+        draw_curves(ax, runs, "time", title=f"{setting}, {nodes} nodes (seed {r['seed']})", target=target)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -196,7 +196,9 @@ def _finished_run(env: dict[str, str], out_dir: Path, overrides: str, federation
     return json.loads(summary_path.read_text()), rows
 
 
-def test_flwr_run_on_a_virtual_clock_is_the_same_on_one_or_two_workers(flwr_env: dict[str, str], tmp_path: Path) -> None:
+def test_flwr_run_on_a_virtual_clock_is_the_same_on_one_or_two_workers(
+    flwr_env: dict[str, str], tmp_path: Path
+) -> None:
     """Flower's simulation engine with one ClientApp worker (2 CPUs each) and with two (1 CPU
     each): a FedBuff run on a device fleet with drop-outs gives the same versions, staleness
     values, simulated times and final model."""

@@ -314,6 +314,11 @@ class FederatedRun:
         for node, total in self.scores.totals.items():
             self.monitor.contribution(node, total)
 
+    @staticmethod
+    def sim_note(row: dict[str, Any]) -> str:
+        """The simulated time for a log line, on a virtual clock."""
+        return f"  (simulated t={row['sim_time_s']:.1f}s)" if "sim_time_s" in row else ""
+
     def describe(self, loss: float | None, metrics: dict[str, float] | None) -> str:
         """The evaluation for a log line: the metrics, then the loss."""
         if metrics is None or loss is None:
@@ -456,11 +461,12 @@ class FederatedRun:
                 self.record_scores(nodes, self.scores.score(record_to_tensors(previous), strategy.last_valid))
             self.finish_round(rnd, row, nodes, client_metrics)
             log.info(
-                "[round %d/%d] %s  %.1fs  clients %d  rejected %d%s",
+                "[round %d/%d] %s  %.1fs%s  clients %d  rejected %d%s",
                 rnd,
                 cfg.federation.rounds,
                 self.describe(loss, metrics),
                 row["round_time_s"],
+                self.sim_note(row),
                 row["num_clients"],
                 row["num_rejected"],
                 f"  missing {row['num_missing']}" if row["num_missing"] else "",
@@ -493,11 +499,12 @@ class FederatedRun:
                 self.record_scores(nodes, scores)
             self.finish_round(v, row, nodes, report.client_metrics)
             log.info(
-                "[version %d/%d] %s  %.1fs  staleness %s  discarded %d  rejected %d  failed %d",
+                "[version %d/%d] %s  %.1fs%s  staleness %s  discarded %d  rejected %d  failed %d",
                 v,
                 cfg.federation.rounds,
                 self.describe(loss, metrics),
                 row["round_time_s"],
+                self.sim_note(row),
                 row["staleness"],
                 report.discarded_stale,
                 len(report.rejected),

@@ -76,6 +76,12 @@ def _clean(value: Any) -> Any:  # noqa: ANN401
     return value
 
 
+def clock_s(row: dict[str, Any]) -> float:
+    """When a row's step ended on the run's clock: simulated seconds for a fleet on a virtual
+    clock (app/simulation/virtual_clock.py), else wall-clock seconds."""
+    return float(row["sim_time_s"] if row.get("sim_time_s") is not None else row["wall_time_s"])
+
+
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl ([] if it has none yet)."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -1,5 +1,6 @@
-"""Overlay runs: the primary metric on the test split against wall-clock time (and against
-rounds/versions). The primary metric is summary.json's `primary_metric` (the run's first
+"""Overlay runs: the primary metric on the test split against time (simulated seconds for fleet
+runs on a virtual clock, else wall-clock) and against rounds/versions. The primary metric is
+summary.json's `primary_metric` (the run's first
 `task.metrics` entry), accuracy for runs written before metrics were configurable.
 
     python -m app.compare_runs ~/fedgpu-runs/<sync run> ~/fedgpu-runs/<fedbuff run> -o compare.png
@@ -14,7 +15,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.run.results import read_rows, read_summary
+from app.run.results import clock_s, read_rows, read_summary
 
 
 def primary_metric(run_dir: Path) -> str:
@@ -23,20 +24,20 @@ def primary_metric(run_dir: Path) -> str:
 
 
 def read_curve(run_dir: Path, metric: str | None = None) -> tuple[list[float], list[int], list[float]]:
-    """(wall times, rounds, values of `metric`, default the primary one) of the evaluated rows of
+    """(times on the run's clock, rounds, values of `metric`, default the primary one) of the evaluated rows of
     a run's metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass run directories (the ones holding metrics.jsonl)")
     metric = metric or primary_metric(run_dir)
     rows = [r for r in read_rows(run_dir) if r.get(metric) is not None]
-    return [r["wall_time_s"] for r in rows], [r["round"] for r in rows], [r[metric] for r in rows]
+    return [clock_s(r) for r in rows], [r["round"] for r in rows], [r[metric] for r in rows]
 
 
 def draw_curves(
     ax, runs: Sequence[tuple[str, Path]], x: str = "time", title: str = "", target: float | None = None
 ) -> None:  # noqa: ANN001
-    """The primary metric of each `(label, run dir)` on one matplotlib axis, against wall time or
+    """The primary metric of each `(label, run dir)` on one matplotlib axis, against time or
     rounds; runs with different primary metrics say theirs in the legend."""
     metrics = [primary_metric(run_dir) for _, run_dir in runs]
     mixed = len(set(metrics)) > 1
@@ -45,7 +46,7 @@ def draw_curves(
         ax.plot(times if x == "time" else rounds, values, marker=".", label=f"{label} [{metric}]" if mixed else label)
     name = "primary metric" if mixed or not metrics else metrics[0]
     if x == "time":
-        ax.set(xlabel="wall-clock time (s)", ylabel=f"test {name}", title=title or f"{name} over time")
+        ax.set(xlabel="time (s; simulated for fleet runs)", ylabel=f"test {name}", title=title or f"{name} over time")
     else:
         ax.set(xlabel="round (sync) / version (async)", ylabel=f"test {name}", title=title or f"{name} per update")
     if target:

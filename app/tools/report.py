@@ -4,7 +4,7 @@
     python -m app.report ~/fedgpu-runs/20261130-101500-fedavg-digits --target 0.9   # one run
 
 Writes report.csv (one row per configuration), runs.csv (one row per run), report.md and
-report.png (the primary metric per round and over wall-clock time: the mean over seeds as
+report.png (the primary metric per round and over time, simulated for fleet runs: the mean over seeds as
 a line, min-max over seeds shaded) into the directory, or into --out. The primary metric is
 each run's first `task.metrics` entry (summary.json's `primary_metric`; accuracy for runs
 written before metrics were configurable); every metric is higher-is-better, and --target
@@ -31,7 +31,7 @@ import yaml
 
 from app.config.schema import BUILTIN_METRICS
 from app.ledger.report import run_ledger
-from app.run.results import read_rows, read_summary
+from app.run.results import clock_s, read_rows, read_summary
 from app.run.tracking import flat_params, metric_names
 
 DEFAULT_TARGET = 0.95
@@ -171,7 +171,8 @@ def run_numbers(run: Run, target: float) -> dict[str, Any]:
         "rounds_completed": s.get("rounds_completed"),
         "wall_time_s": s.get("wall_time_s"),
         "round_to_target": hit["round"] if hit else None,
-        "time_to_target_s": hit["wall_time_s"] if hit else None,
+        "time_to_target_s": clock_s(hit) if hit else None,  # simulated seconds for a fleet run
+        "clock": "simulated" if any("sim_time_s" in r for r in run.rows) else "wall",
         "epsilon": epsilon,
         "rejected": sum(int(r.get("num_rejected") or 0) for r in run.rows),
         "stale_discarded": stale,
@@ -262,11 +263,12 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
         f"# Report: {root}",
         "",
         f"{len(per_run)} runs in {len(table)} configurations; mean ± std (sample, over seeds) of the completed "
-        f"runs. Target {metric} {target:g}: rounds and seconds are means over the runs that reached it.",
+        f"runs. Target {metric} {target:g}: rounds and seconds are means over the runs that reached it. "
+        "¹ Simulated seconds for runs with a fleet profile (virtual clock), else wall-clock seconds.",
         *([f"All configurations: `{' '.join(sorted(common))}`."] if common else []),
         "",
         f"| configuration | runs | failed | final {metric}{unit} | best {metric}{unit} | reached target "
-        "| rounds to target | time to target (s) | wall time (s) | ε | rejected / run | stale discarded / run "
+        "| rounds to target | time to target (s)¹ | wall time (s) | ε | rejected / run | stale discarded / run "
         "| failed replies / run | uplink MB / run | downlink MB / run | ledger verified | compute s / run (reported) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -312,17 +314,17 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
         lines += ["", "Ledgers that do not verify (`python -m app.ledger verify RUN` says why):", ""]
         lines += [f"- `{Path(r['path']).name}`: {r['ledger_problem']}" for r in broken]
     if plot:
-        lines += ["", f"![{metric} per round and over wall-clock time]({plot})"]
+        lines += ["", f"![{metric} per round and over time]({plot})"]
     return "\n".join(lines) + "\n"
 
 
 def _curves(runs: list[Run]) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """(rounds, wall times, primary-metric values) of each run's evaluated rows."""
+    """(rounds, times on each run's clock, primary-metric values) of each run's evaluated rows."""
     rounds, times, values = [], [], []
     for run in runs:
         rows = [r for r in run.rows if r.get(run.metric) is not None]
         rounds.append(np.array([r["round"] for r in rows], dtype=float))
-        times.append(np.array([r["wall_time_s"] for r in rows], dtype=float))
+        times.append(np.array([clock_s(r) for r in rows], dtype=float))
         values.append(np.array([r[run.metric] for r in rows], dtype=float))
     return rounds, times, values
 
@@ -382,7 +384,7 @@ def plot(runs: list[Run], out: Path, target: float | None) -> Path:
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0, step=step)
     ax_round.set(xlabel="round (sync) / version (async)", ylabel=f"test {metric}", title=f"{metric} per round")
     ax_time.set(
-        xlabel="wall-clock time (s, from the ServerApp's start)",
+        xlabel="time (s from the start; simulated for fleet runs, else wall-clock)",
         ylabel=f"test {metric}",
         title=f"{metric} over time (latest evaluation)",
     )
