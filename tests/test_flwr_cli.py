@@ -266,3 +266,30 @@ def test_flwr_run_ships_a_user_module_inside_the_app_directory(flwr_env: dict[st
     run_dir = Path(re.findall(r"results: (/\S+)$", out, flags=re.MULTILINE)[0])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["primary_metric"] == "auroc" and summary["final_metric"] > 0.9, summary
+
+
+def _readme_fleet_commands() -> tuple[str, list[str]]:
+    """The README's virtual-clock example: its federation config and the overrides of its sync
+    and FedBuff commands, as written there."""
+    text = (ROOT / "README.md").read_text()
+    (federation,) = re.findall(r'^F="([^"]+)"$', text, flags=re.M)
+    overrides = re.findall(
+        r"""^flwr run \. --stream --federation-config "\$F" --run-config "overrides='([^']+)'"$""", text, re.M
+    )
+    assert len(overrides) == 2 and "strategy=fedbuff" in overrides[1], overrides
+    return federation, overrides
+
+
+def test_the_readmes_fedbuff_example_reaches_its_target_sooner_in_simulated_time(
+    flwr_env: dict[str, str], tmp_path: Path
+) -> None:
+    """README.md's two fleet commands through `flwr run` exactly as written (plus an output
+    directory): FedBuff reaches the target in at most half the simulated time sync FedAvg takes
+    (measured: 13.6 s against 37.3 s; the virtual clock makes it the same on any host)."""
+    federation, (sync_overrides, fedbuff_overrides) = _readme_fleet_commands()
+    times = []
+    for name, overrides in (("sync", sync_overrides), ("fedbuff", fedbuff_overrides)):
+        summary, rows = _finished_run(flwr_env, tmp_path / name, overrides, federation)
+        assert summary["stop_reason"].startswith("target accuracy"), summary["stop_reason"]
+        times.append(rows[-1]["sim_time_s"])
+    assert 2 * times[1] <= times[0], times

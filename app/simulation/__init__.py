@@ -1,1 +1,2 @@
-"""Simulation helpers: attacks, stragglers and the in-process grid used by tests and benchmarks."""
+"""Simulation helpers: attacks, fleet profiles on a virtual clock, and the in-process grid used by tests
+and benchmarks."""

@@ -6,8 +6,7 @@ matched by reply_to_message_id, a ClientApp exception becomes an error reply, a 
 that went away answers with NODE_UNAVAILABLE) but calls the ClientApp directly instead
 of going through a SuperLink. With `workers=0` each message is answered during
 `push_messages`; with `workers > 0` nodes train concurrently in threads (PyTorch
-releases the GIL in its kernels, and straggler sleeps overlap), which is what an
-asynchronous strategy needs to show its worth.
+releases the GIL in its kernels).
 
 A whole federation on this grid (config, the ServerApp's loop, the real ClientApp):
 app.tools.in_process.run_in_process.
