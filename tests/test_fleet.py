@@ -168,3 +168,23 @@ def test_a_bad_trace_or_a_deployed_node_stops_the_run_before_training(tmp_path: 
     with pytest.raises(ConfigError, match="node 1002 is not a simulated node"):
         run_in_process("stragglers=lognormal", tmp_path, grid=grid)
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_links_can_come_from_a_distribution() -> None:
+    cfg = FleetConfig(name="x", link_sigma=1.0)
+    cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms = [8.0], [80.0], [10.0]
+    a = fleet_profiles(cfg, 200, seed=0)
+    assert a == fleet_profiles(cfg, 200, seed=0) != fleet_profiles(cfg, 200, seed=1)
+    factors = np.array([p.uplink_bps / 1e6 for p in a])  # 8 Mbit/s = 1e6 bytes/s, times exp(z)
+    assert 0.8 < np.log(factors).std() < 1.2 and abs(np.log(factors).mean()) < 0.2
+    for p in a:  # one factor per partition: both directions scaled alike, the latency inversely
+        assert p.downlink_bps / p.uplink_bps == pytest.approx(10.0)
+        assert p.latency_s * p.uplink_bps / 1e6 == pytest.approx(0.01)
+
+
+def test_a_resumed_fleet_run_continues_its_clock(tmp_path: Path) -> None:
+    overrides = _fleet("[1.0,2.7,6.5]", "name=r")
+    first, _ = run_in_process(overrides + " federation.rounds=2", tmp_path)
+    resumed, _ = run_in_process(overrides + f" federation.rounds=3 resume={tmp_path / 'r' / 'checkpoint.pt'}", tmp_path)
+    rows = read_rows(resumed["run_dir"])
+    assert [r["sim_time_s"] for r in rows] == pytest.approx([6.5, 13.0, 19.5], abs=1e-4)

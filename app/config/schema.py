@@ -230,6 +230,7 @@ class FleetConfig:
     downlink_mbps: list[float] = field(default_factory=lambda: [1000.0])
     uplink_mbps: list[float] = field(default_factory=lambda: [1000.0])
     latency_ms: list[float] = field(default_factory=lambda: [0.0])  # one way
+    link_sigma: float = 0.0  # > 0: each partition's rates times exp(sigma z), latency over it, z ~ N(0, 1) seeded
     availability: str = "always"  # always | bernoulli | trace
     completion_p: float = 1.0  # bernoulli: probability that a task completes (else the node drops out mid-task)
     trace: str = ""  # trace: CSV of offline intervals, columns partition,offline_from_s,offline_until_s

@@ -517,6 +517,7 @@ def _validate_fleet(cfg: Config) -> None:
         values = getattr(f, key)
         _require(bool(values) and all(v > 0 for v in values), f"fleet.{key}", values, "a non-empty list of rates > 0")
     _require(bool(f.latency_ms) and all(v >= 0 for v in f.latency_ms), "fleet.latency_ms", f.latency_ms, "values >= 0")
+    _require(f.link_sigma >= 0, "fleet.link_sigma", f.link_sigma, "must be >= 0")
     _require(0 < f.completion_p <= 1, "fleet.completion_p", f.completion_p, "must be in (0, 1]")
     if f.availability == "trace":
         _require(bool(f.trace), "fleet.trace", f.trace, "fleet.availability=trace needs a CSV file (docs/fleet.md)")

@@ -149,12 +149,16 @@ def fleet_profiles(cfg: FleetConfig, num_partitions: int, seed: int) -> list[Nod
     """The profile of partition 0 .. num_partitions - 1."""
     speeds = _SPEEDS[cfg.speed](cfg, num_partitions, seed)
     trace = read_trace(cfg.trace) if cfg.availability == "trace" else {}
+    # Links from a distribution: a lognormal factor per partition on the listed rates (and its
+    # inverse on the latency), drawn from the seed apart from the speeds.
+    z = np.random.default_rng(np.random.SeedSequence([seed, 0x11CC])).standard_normal(num_partitions)
+    link = [math.exp(cfg.link_sigma * float(v)) for v in z]
     return [
         NodeProfile(
             samples_per_s=cfg.reference_samples_per_s * speeds[i],
-            downlink_bps=_cycled(cfg.downlink_mbps, i) * 1e6 / 8,
-            uplink_bps=_cycled(cfg.uplink_mbps, i) * 1e6 / 8,
-            latency_s=_cycled(cfg.latency_ms, i) / 1000,
+            downlink_bps=_cycled(cfg.downlink_mbps, i) * 1e6 / 8 * link[i],
+            uplink_bps=_cycled(cfg.uplink_mbps, i) * 1e6 / 8 * link[i],
+            latency_s=_cycled(cfg.latency_ms, i) / 1000 / link[i],
             completion_p=cfg.completion_p if cfg.availability == "bernoulli" else 1.0,
             offline=tuple(sorted(trace.get(i, []))),
         )
