@@ -8,9 +8,11 @@ buffer, through Flower's simulation engine (`flwr run`) with fleet profiles on a
 Every run is a real `flwr run` (app/tools/sweep.py's run_in_simulation: a local SuperLink in
 simulation mode, the installed environment) on the default task. Per node count, setting and
 seed, sync FedAvg runs `--rounds` rounds; FedBuff and FedBuff with a median buffer then get
-exactly the simulated time sync took (`federation.max_wall_time_s`, simulated seconds on a
-virtual clock). Time to target is the simulated time of the first central evaluation at or above
-`--target`; host time is the run's wall time on this machine.
+the simulated time sync took (`federation.max_wall_time_s`, simulated seconds on a virtual
+clock), or `--max-versions` versions if that comes first (a fleet with a CPU node gives the fast
+nodes thousands of tasks in the time of 12 sync rounds). Runs already completed in `--runs` are
+read, not run again. Time to target is the simulated time of the first central evaluation at or above
+`--target`; host time is the ServerApp's wall time on this machine (without Flower's start-up).
 
 With --stop-at-target every run stops at the target instead (large fleets, where FedBuff's
 share of the budget would be thousands of tasks): the times to target compare, the final
@@ -30,7 +32,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,21 +57,20 @@ STRATEGIES = {
 
 
 def flwr_run(name: str, overrides: str, root: Path, nodes: int) -> dict:
-    """One `flwr run` in simulation; its summary, the host seconds it took and its run directory."""
-    job = root / "jobs" / name
-    job.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    result = run_in_simulation(
-        job,
-        root / "runs",
-        [f"name={name}", *overrides.split()],
-        f"num-supernodes={nodes} client-resources-num-cpus=1",
-        0,
-    )
-    if result["error"]:
-        raise RuntimeError(f"{name}: {result['error']} (log: {job / 'flwr.log'})")
+    """One `flwr run` in simulation (or, when `root` already holds it completed, that run again):
+    its summary, the host seconds its ServerApp ran (summary.json's wall time, without Flower's
+    start-up) and its run directory."""
     run_dir = root / "runs" / name
-    return {"summary": read_summary(run_dir), "host_s": time.monotonic() - t0, "run_dir": str(run_dir)}
+    summary = read_summary(run_dir)
+    if not summary or summary.get("status") != "completed":
+        job = root / "jobs" / name
+        job.mkdir(parents=True, exist_ok=True)
+        fed = f"num-supernodes={nodes} client-resources-num-cpus=1"
+        result = run_in_simulation(job, root / "runs", [f"name={name}", *overrides.split()], fed, 0)
+        if result["error"]:
+            raise RuntimeError(f"{name}: {result['error']} (log: {job / 'flwr.log'})")
+        summary = read_summary(run_dir)
+    return {"summary": summary, "host_s": summary["wall_time_s"], "run_dir": str(run_dir)}
 
 
 def time_to(target: float, run_dir: str) -> float | None:
@@ -82,6 +82,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[10])
     parser.add_argument("--rounds", type=int, default=12, help="sync FedAvg rounds (sets the simulated-time budget)")
     parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument(
+        "--max-versions",
+        type=int,
+        default=100,
+        help="FedBuff stops at the simulated budget or after this many versions, whichever is first",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--host-check", action="store_true", help="100 nodes x 50 versions, fleet vs none")
@@ -114,7 +120,7 @@ def main() -> None:
                         if not overrides
                         else flwr_run(
                             f"{tag}-{label.split(',')[0].replace(' ', '').lower()}{'-robust' if ',' in label else ''}",
-                            f"{overrides} federation.rounds=100000 federation.max_wall_time_s={budget:.3f} {common}",
+                            f"{overrides} federation.rounds={args.max_versions} federation.max_wall_time_s={budget:.3f} {common}",
                             root,
                             nodes,
                         )
