@@ -79,7 +79,7 @@ def time_to(target: float, run_dir: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[10])
+    parser.add_argument("--nodes", type=int, nargs="*", default=[10], help="node counts (none: only --host-check)")
     parser.add_argument("--rounds", type=int, default=12, help="sync FedAvg rounds (sets the simulated-time budget)")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument(
@@ -160,12 +160,14 @@ def main() -> None:
         "machine": cpu_model(),
         "target": args.target,
         "rounds": args.rounds,
+        "stop_at_target": args.stop_at_target,
         "runs": results,
         "host_check": host,
     }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    plot(results, args.plot, args.target)
-    print(f"wrote {args.out} and {args.plot}")
+    if results:
+        plot(results, args.plot, args.target)
+    print(f"wrote {args.out}" + (f" and {args.plot}" if results else ""))
 
 
 def _f(value: float | None, digits: int = 1) -> str:
