@@ -41,7 +41,7 @@ from app.run.factory import (
 )
 from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
 from app.run.monitoring import Monitor
-from app.run.results import RunRecorder, new_run_dir
+from app.run.results import RunRecorder, new_run_dir, read_summary
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles
@@ -622,6 +622,28 @@ def with_receipts(prior: NodeConfig | None, ledger: Ledger) -> NodeConfig:
     return per_node
 
 
+def completed_run(cfg: Config, root: Path) -> dict[str, Any] | None:
+    """With `resume=auto`, the named run's summary when it has already finished what this config
+    asks (its rounds, or its target or budget): re-running the same command is then a no-op."""
+    if cfg.resume != "auto":
+        return None
+    summary = read_summary(root / str(cfg.name))
+    if not summary or summary.get("status") != "completed":
+        return None
+    done = summary.get("stop_reason") not in (None, "rounds") or summary.get("rounds_completed", 0) >= cfg.federation.rounds
+    return summary if done else None
+
+
 def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict[str, Any]:
-    """Train for `federation.rounds` rounds or versions (or the rest of them after `resume`)."""
+    """Train for `federation.rounds` rounds or versions (or the rest of them after `resume`);
+    with `resume=auto` and the run already complete, say so and return its summary."""
+    if (summary := completed_run(cfg, root)) is not None:
+        log.info(
+            "run %r already complete (stop reason: %s, %s steps): nothing to do; results: %s",
+            cfg.name,
+            summary.get("stop_reason"),
+            summary.get("rounds_completed"),
+            root / str(cfg.name),
+        )
+        return summary
     return FederatedRun(grid, cfg, raw, root).run()
