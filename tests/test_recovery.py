@@ -4,6 +4,7 @@ run, and on a finished run says "already complete" and succeeds."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,110 @@ def test_fedbuff_without_nodes_stops_after_the_bounded_wait(tmp_path: Path) -> N
     overrides += " federation.min_train_nodes=1 federation.round_wait_timeout_s=1"
     with pytest.raises(TooFewNodes, match="no server update for .* no node connected"):
         run_in_process(overrides, tmp_path, grid=grid)
+
+
+class FakeFlwr:
+    """Scripted answers of the flwr CLI: each submitted run has a list of (status, log) states."""
+
+    def __init__(self, runs: list[list[tuple[str, str]]]) -> None:
+        self.runs, self.submitted, self.stopped = runs, [], []
+        self.states: dict[str, list[tuple[str, str]]] = {}
+
+    def submit(self, run_config: str, federation_config: str | None) -> tuple[str | None, str]:
+        run_id = str(len(self.submitted) + 1)
+        self.submitted.append(run_config)
+        self.states[run_id] = list(self.runs[len(self.submitted) - 1])
+        return run_id, f"Successfully started run {run_id}"
+
+    def _now(self, run_id: str) -> tuple[str, str]:
+        states = self.states[run_id]
+        return states.pop(0) if len(states) > 1 else states[0]
+
+    def status(self, run_id: str) -> str:
+        return self._current[0]
+
+    def logs(self, run_id: str) -> str:
+        self._current = self._now(run_id)
+        return self._current[1]
+
+    def stop(self, run_id: str) -> None:
+        self.stopped.append(run_id)
+
+
+def test_the_supervisor_resubmits_a_failed_or_silent_run_and_stops_it_first() -> None:
+    from app.tools.supervise import supervise
+
+    flwr = FakeFlwr(
+        [
+            [("running", "[round 1/3]\n"), ("finished:failed", "[round 1/3]\nKilled\n")],  # the ServerApp died
+            [("running", "[round 2/3]\n")],  # a silent one: the log never grows again
+            [("running", "resuming\n"), ("finished:completed", "resuming\n[round 3/3]\nrun completed\n")],
+        ]
+    )
+    lines: list[str] = []
+    attempts = supervise(flwr, "name=exp1 federation.rounds=3", stall_timeout_s=0.3, poll_s=0.05, echo=lines.append)
+    assert [a.outcome.split(":")[0] for a in attempts] == ["failed", "stalled", "completed"]
+    assert flwr.stopped == ["1", "2"]  # each given-up run is stopped before the next submission
+    assert all("resume=auto" in c and "name=exp1" in c for c in flwr.submitted)
+    assert "[round 3/3]" in lines and lines.count("[round 1/3]") == 1  # each new log line echoed once
+
+
+def test_the_supervisor_gives_up_after_its_retries_and_ends_on_already_complete() -> None:
+    from app.tools.supervise import ALREADY_COMPLETE, supervise
+
+    failing = [[("finished:failed", "boom\n")]] * 3
+    attempts = supervise(FakeFlwr(failing), "name=x", retries=2, poll_s=0.01, echo=lambda _: None)
+    assert len(attempts) == 3 and all(a.outcome.startswith("failed") for a in attempts)
+    done = FakeFlwr([[("finished:completed", "run 'x' already complete (stop reason: rounds)\n")]])
+    (attempt,) = supervise(done, "name=x", poll_s=0.01, echo=lambda _: None)
+    assert attempt.outcome == ALREADY_COMPLETE
+    with pytest.raises(ValueError, match="give the run a name"):
+        supervise(done, "federation.rounds=3")
+
+
+def test_a_killed_serverapp_is_stopped_and_resubmitted_until_the_run_completes(tmp_path: Path) -> None:
+    """`flwr run` in simulation under the supervisor; the ServerApp (Flower's flwr-simulation
+    process) is SIGKILLed after round 2. The supervisor stops the stale run, submits again, and
+    the run ends with each round once in metrics.jsonl and the model an uninterrupted run makes.
+    Supervising it again says "already complete"."""
+    import threading
+
+    import torch
+
+    from app.run.results import read_summary
+    from app.tools.processes import kill_matching, stop_processes
+    from app.tools.supervise import ALREADY_COMPLETE, Flwr, supervise
+    from app.tools.sweep import flower_env
+
+    home, out = tmp_path / "flwr-home", tmp_path / "runs"
+    overrides = "name=exp1 federation.rounds=5 train.epochs=1 train.deterministic=true seed=7"
+    flwr = Flwr(None, flower_env(home))
+    killed: list[int] = []
+
+    def kill_after_round_two() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(read_rows(out / "exp1")) < 2:
+            time.sleep(0.5)
+        killed.extend(kill_matching(str(home), "flwr-simulation"))
+
+    killer = threading.Thread(target=kill_after_round_two, daemon=True)
+    killer.start()
+    try:
+        fed = "num-supernodes=2 client-resources-num-cpus=1"
+        attempts = supervise(
+            flwr, overrides, output_dir=str(out), federation_config=fed, stall_timeout_s=120, echo=lambda _: None
+        )
+        killer.join(timeout=5)
+        again = supervise(flwr, overrides, output_dir=str(out), federation_config=fed, echo=lambda _: None)
+    finally:
+        stop_processes(str(home), grace_s=10)
+    assert killed, "the ServerApp was never killed"
+    assert len(attempts) == 2 and attempts[0].outcome.split(":")[0] in ("failed", "stalled"), attempts
+    assert attempts[1].outcome == "completed" and [a.outcome for a in again] == [ALREADY_COMPLETE]
+    assert [r["round"] for r in read_rows(out / "exp1")] == [1, 2, 3, 4, 5]
+    summary = read_summary(out / "exp1")
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 5
+    reference, _ = run_in_process(overrides.replace("name=exp1", "name=ref"), tmp_path / "ref", nodes=2)
+    got = torch.load(summary["final_model"], weights_only=True)
+    want = torch.load(reference["final_model"], weights_only=True)
+    assert all(torch.allclose(got[k].float(), want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
