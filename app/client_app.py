@@ -47,6 +47,7 @@ from app.protocol import (
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
 from app.task.batch_size import resolve_batch_size
 from app.task.data import (
+    DatasetUnavailableError,
     DataSpec,
     Examples,
     check_spec,
@@ -101,7 +102,10 @@ def node_data(context: Context, settings: ClientSettings, spec: DataSpec) -> tup
     if not data_path and (PARTITION_ID not in cfg or NUM_PARTITIONS not in cfg):
         raise ValueError("node config needs partition-id and num-partitions (simulation) or data-path (deployment)")
     node_key = (data_path, int(cfg.get(PARTITION_ID, 0)), int(cfg.get(NUM_PARTITIONS, 1)))
-    return _node_data(settings, node_key, spec)
+    try:
+        return _node_data(settings, node_key, spec)
+    except DatasetUnavailableError as err:  # the server sees it as this node's error reply
+        raise DatasetUnavailableError(f"node {context.node_id}: {err}") from None
 
 
 def client_seed(seed: int, server_round: int, partition_id: int, task: int = 0) -> int:

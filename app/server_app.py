@@ -16,6 +16,7 @@ from app.config.schema import ConfigError
 from app.run.federation import run_federation
 from app.run.results import output_root
 from app.task.data import DatasetUnavailableError
+from strategies.node_wait import TooFewNodes
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -34,6 +35,6 @@ def main(grid: Grid, context: Context) -> None:
     log.info("overrides: %r", overrides)
     try:
         run_federation(grid, cfg, raw, root)
-    except (ConfigError, DatasetUnavailableError) as err:
+    except (ConfigError, DatasetUnavailableError, TooFewNodes) as err:
         log.error("%s", err)
         raise

@@ -31,6 +31,7 @@ import ipaddress
 import os
 import re
 import secrets
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -197,6 +198,27 @@ def write_flwr_config(name: str, address: str, root_certificates: Path | None, f
     return path
 
 
+def refuse_work_tree(out: Path) -> None:
+    """ValueError when `out` lies inside a git work tree and git does not ignore it: keys written
+    there end up in a commit. An ignored path (docker/creds/, /creds/ here) is fine."""
+    out = Path(out).expanduser().absolute()
+    top = next((d for d in (out, *out.parents) if (d / ".git").exists()), None)
+    if top is None:
+        return
+    try:  # `out`, or a file in it (a pattern like /creds/ matches only once the directory exists)
+        ignored = any(
+            subprocess.run(["git", "-C", str(top), "check-ignore", "-q", str(p)], check=False).returncode == 0
+            for p in (out, out / "key")
+        )
+    except OSError:  # no git to ask: assume the worst
+        ignored = False
+    if not ignored:
+        raise ValueError(
+            f"--out {out} is inside the git work tree {top} and git does not ignore it: private keys there end "
+            "up in a commit. Write them outside the repository, add the path to .gitignore, or pass --allow-in-repo"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,8 +239,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg.add_argument("--address", required=True, help="HOST:PORT of the SuperLink")
     cfg.add_argument("--root-certificates", type=Path, default=None, help="the CA certificate (omit: insecure)")
     cfg.add_argument("--flwr-home", type=Path, default=Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")))
+    for writer in (tls, keys, ledger, secret):
+        writer.add_argument(
+            "--allow-in-repo", action="store_true", help="write into a git work tree even if not ignored"
+        )
     args = parser.parse_args(argv)
     try:
+        if args.command != "flwr-config" and not args.allow_in_repo:
+            refuse_work_tree(args.out)
         if args.command == "tls":
             for what, path in make_tls(args.out, args.dns, args.ip, args.days).items():
                 print(f"{what}: {path}")

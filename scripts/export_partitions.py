@@ -1,5 +1,8 @@
 """Write each partition of a dataset to its own .npz file: one site's data for a demo
-deployment, where every SuperNode reads only its own file (`--node-config data-path=...`).
+deployment, where every SuperNode reads only its own file. Give it to the SuperNode as a
+quoted TOML string, with an absolute path (Flower rejects the unquoted form):
+
+    flower-supernode ... --node-config 'data-path="/abs/path/data/partition-0.npz"'
 
     python scripts/export_partitions.py --num-partitions 3 --out data
     python scripts/export_partitions.py --num-partitions 3 --out data \
@@ -52,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for path in export_partitions(args.out, args.num_partitions, args.overrides):
             with np.load(path) as f:
-                print(f"{path}: {len(f['y'])} examples")
+                print(f"{path}: {len(f['y'])} examples; SuperNode: --node-config 'data-path=\"{path.resolve()}\"'")
     except ConfigError as err:
         parser.error(str(err))
 

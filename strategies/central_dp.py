@@ -53,11 +53,11 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from opacus.accountants import RDPAccountant
 
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
+from strategies.node_wait import wait_for_nodes
 from strategies.opacus_logging import remove_opacus_root_handler
 from strategies.replies import Screened, WeightCap
 from strategies.robust_ops import apply_update, float_keys
@@ -372,8 +372,9 @@ class DPFedAvg(FedAvg):
     def select_nodes(self, grid: Grid, fraction: float, minimum: int, kind: str) -> list[int]:
         if not self.poisson or kind != MessageType.TRAIN:
             return super().select_nodes(grid, fraction, minimum, kind)
-        # Flower's sample_nodes waits for min_available_nodes (and here at least one) to connect.
-        _, connected = sample_nodes(grid, max(self.min_available_nodes, 1), 0)
+        # A bounded wait for min_available_nodes (at least one). A node missing from the Poisson
+        # draw only lowers its own sampling probability: the accountant's q still bounds everyone's.
+        connected = wait_for_nodes(grid, max(self.min_available_nodes, 1), 1, self.round_wait_timeout_s, self.seen)
         if not self.population:
             self.population = len(connected)
             log.info("central DP: population N = %d, expected cohort %g", self.population, fraction * self.population)

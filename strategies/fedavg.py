@@ -15,6 +15,7 @@ sum is always finite.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
+from strategies.node_wait import wait_for_nodes
 from strategies.replies import (
     ArraySpec,
     Downlink,
@@ -126,6 +127,10 @@ class FedAvg(Strategy):
         self.fraction_evaluate = fraction_evaluate
         self.min_evaluate_nodes = min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
+        # The longest a round waits for those nodes; then it goes on with fewer if the strategy can,
+        # else stops the run (strategies/node_wait.py). Set by the app from federation.round_wait_timeout_s.
+        self.round_wait_timeout_s = 300.0
+        self.seen: set[int] = set()  # nodes sampled so far: the missing ones are named while waiting
         self.message_ttl_s = message_ttl_s
         self.device = torch.device(device)
         self.weight_cap = weight_cap
@@ -222,10 +227,26 @@ class FedAvg(Strategy):
         ]
 
     def select_nodes(self, grid: Grid, fraction: float, minimum: int, kind: str) -> list[int]:
-        """`fraction` of the connected nodes (at least `minimum`), sampled the way Flower does."""
+        """`fraction` of the connected nodes (at least `minimum`), sampled the way Flower does,
+        after a bounded wait for them (strategies/node_wait.py): past `round_wait_timeout_s`
+        the round goes on with the nodes there if the strategy can work with that many."""
         wanted = max(int(len(list(grid.get_node_ids())) * fraction), minimum)
-        node_ids, _ = sample_nodes(grid, max(self.min_available_nodes, wanted), wanted)
-        return list(node_ids)
+        nodes = wait_for_nodes(
+            grid,
+            max(self.min_available_nodes, wanted),
+            self.fewest_nodes(minimum),
+            self.round_wait_timeout_s,
+            self.seen,
+        )
+        self.seen.update(nodes)
+        return random.sample(nodes, min(wanted, len(nodes)))
+
+    def fewest_nodes(self, minimum: int) -> int:
+        """The smallest cohort a round can go on with: `minimum`, or more for a rule that needs it."""
+        n = max(minimum, 1)
+        while self.node_count_problem(n) is not None and n < 10_000:
+            n += 1
+        return n
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

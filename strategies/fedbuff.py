@@ -37,6 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.fedavg import RoundReport, task_content
+from strategies.node_wait import TooFewNodes
 from strategies.replies import (
     ArraySpec,
     Downlink,
@@ -180,6 +181,9 @@ class FedBuff(Strategy):
         self.buffer_rule = buffer_rule
         self.message_ttl_s = message_ttl_s
         self.poll_interval_s = poll_interval_s
+        # No update for this long with too few nodes connected stops the run (strategies/node_wait.py);
+        # set by the app from federation.round_wait_timeout_s.
+        self.round_wait_timeout_s = 300.0
         # Past a message's TTL the SuperLink answers with an error; the local deadline
         # (TTL + grace) is the backstop for a reply that never comes.
         self.deadline_grace_s = deadline_grace_s
@@ -244,6 +248,18 @@ class FedBuff(Strategy):
             self.message_ttl_s,
             self.device,
         )
+
+    def check_nodes(self, grid: Grid, stalled_s: float) -> None:
+        """No server update for longer than `round_wait_timeout_s`: TooFewNodes if the connected
+        nodes can no longer make one (none at all, or too few for a buffer of distinct nodes)."""
+        connected = len(list(grid.get_node_ids()))
+        problem = "no node connected" if not connected else self.node_count_problem(connected)
+        if problem is not None:
+            raise TooFewNodes(
+                f"FedBuff: no server update for {stalled_s:.0f} s (federation.round_wait_timeout_s="
+                f"{self.round_wait_timeout_s:g}) and {problem}. The last version is checkpointed: restart the "
+                "missing SuperNodes and run the same command with name=... resume=auto"
+            )
 
     # --- state -----------------------------------------------------------------
     def set_model(self, arrays: ArrayRecord, version: int) -> None:
@@ -472,14 +488,18 @@ class FedBuff(Strategy):
         or not its update is used, and that spending must reach the server's record."""
         self.set_model(arrays, first_version)
         next_wait_log = 0.0
+        progress = time.monotonic()  # the last server update (or the start)
         while deadline is None or clock() < deadline:
             self._push(grid, config)
             replies = list(grid.pull_messages(list(self.in_flight))) if self.in_flight else []
             self.expire(time.monotonic())
+            if time.monotonic() - progress > self.round_wait_timeout_s:
+                self.check_nodes(grid, time.monotonic() - progress)
             stop = False
             for i, reply in enumerate(replies):
                 new, _ = self.aggregate_train(self.version, [reply])
                 if new is not None:
+                    progress = time.monotonic()
                     report, self.report = self.report, VersionReport()
                     if on_version(report, new):
                         stop = True

@@ -67,6 +67,7 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_torchvision_example_learns_the_digits",
     },
     "test_own_task": {"test_a_custom_task_composes_with_the_rest"},  # seven federations
+    "test_recovery": {"test_a_killed_serverapp_is_stopped_and_resubmitted_until_the_run_completes"},  # flwr run
     "test_fleet": {"test_the_same_seed_gives_the_same_run_whatever_the_number_of_workers"},  # four federations
     "test_monitoring": {"prometheus"},  # the fixture starts a real Prometheus server
     "test_distributed": {"test_two_gloo_ranks_equal_one_process_and_a_rank_that_dies_fails_only_its_task"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,26 @@ def test_private_files_are_0600_from_creation(tmp_path, monkeypatch):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert tls["key"].read_bytes() != first_key
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_keys_are_not_written_into_a_git_work_tree_unless_ignored_or_allowed(tmp_path, capsys):
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    with pytest.raises(SystemExit):
+        credentials.main(["node-keys", "--out", str(repo / "keys"), "--names", "lab-a"])
+    assert "inside the git work tree" in capsys.readouterr().err and not (repo / "keys").exists()
+    credentials.main(["node-keys", "--out", str(repo / "keys"), "--names", "lab-a", "--allow-in-repo"])
+    assert (repo / "keys" / "lab-a").is_file()
+    (repo / ".gitignore").write_text("/creds/\n")
+    credentials.main(["tls", "--out", str(repo / "creds"), "--dns", "localhost"])  # ignored: fine
+    assert (repo / "creds" / "ca.crt").is_file()
+    credentials.main(["ledger-key", "--out", str(tmp_path / "outside")])  # outside any work tree
+    assert (tmp_path / "outside" / "ledger.key").is_file()
+
+
+def test_this_checkout_ignores_what_the_deployment_docs_create():
+    root = Path(__file__).resolve().parents[1]
+    for path in ("creds/ca.key", "creds/keys/lab-a", "state.db", "state.db-wal", "docker/creds/superlink.key"):
+        ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", path], check=False)
+        assert ignored.returncode == 0, f"{path} is not git-ignored"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.config.schema import DatasetConfig, PartitionConfig
+from app.run.results import read_rows
 from app.task.data import (
     DatasetUnavailableError,
     DataSpec,
@@ -95,8 +96,27 @@ def test_npz_errors_are_actionable(tmp_path):
         load_local_data(DatasetConfig(name="npz"), str(path), seed=0)
     with pytest.raises(DatasetUnavailableError, match=r"N x H x W or N x C x H x W"):
         to_nchw(np.zeros((3, 4)))
-    with pytest.raises(DatasetUnavailableError, match="neither a .npz file nor a directory"):
+    with pytest.raises(DatasetUnavailableError, match=r"data-path='.*missing.npz' does not exist on this node"):
         load_local_data(DatasetConfig(name="npz"), str(tmp_path / "missing.npz"), seed=0)
+    fifo = tmp_path / "a-fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(DatasetUnavailableError, match="neither a .npz file nor a directory"):
+        load_local_data(DatasetConfig(name="npz"), str(fifo), seed=0)
+
+
+def test_a_missing_data_path_fails_the_nodes_first_task_naming_the_node(tmp_path):
+    """A deployed node whose data-path does not exist: its first task comes back as an error
+    reply that names the node and says the file does not exist."""
+    from app.client_app import app as client_app
+    from app.simulation.local_grid import InProcessGrid
+    from app.tools.in_process import run_in_process
+
+    grid = InProcessGrid(client_app, 3)
+    grid.contexts[1002].node_config = {"data-path": str(tmp_path / "lab-c.npz")}
+    summary, _ = run_in_process("federation.rounds=1 train.epochs=1", tmp_path, grid=grid)
+    (rejected,) = read_rows(summary["run_dir"])[0]["rejected"]
+    assert rejected["node_id"] == 1002 and "node 1002: node config data-path=" in rejected["reason"]
+    assert "lab-c.npz' does not exist on this node" in rejected["reason"]
 
 
 def _image_dataset(n: int, seed: int):
@@ -185,3 +205,15 @@ def test_a_process_builds_a_partitioner_once_and_serves_every_partition_from_it(
     assert partition_indices(labels.copy(), 50, 7, cfg, seed=3).tolist() == parts[7].tolist()  # same labels: kept
     partition_indices(np.roll(labels, 1), 50, 0, cfg, seed=3)
     assert built == [50, 50] and list(data_module._BUILT)[0] != ("older",) and len(data_module._BUILT) == 2
+
+
+def test_export_partitions_shows_the_quoted_node_config_flower_needs(tmp_path, capsys):
+    from tests.helpers import load_script
+
+    script = load_script("export_partitions")
+    with pytest.raises(SystemExit):
+        script.main(["--help"])
+    assert "--node-config 'data-path=\"/abs/path/data/partition-0.npz\"'" in capsys.readouterr().out
+    script.main(["--num-partitions", "2", "--out", str(tmp_path / "data")])
+    printed = capsys.readouterr().out
+    assert f"--node-config 'data-path=\"{(tmp_path / 'data' / 'partition-1.npz').resolve()}\"'" in printed

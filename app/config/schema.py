@@ -248,6 +248,7 @@ class FederationConfig:
     round_timeout_s: float = 600.0
     message_ttl_s: float = 3600.0
     node_wait_timeout_s: float = 600.0
+    round_wait_timeout_s: float = 300.0  # the longest a round (FedBuff: an update) waits for nodes during the run
     max_wall_time_s: float = 0.0  # stop after this many seconds of training; 0 = no limit
     target_metric: str | None = None  # the metric target_value refers to; None = task's primary metric
     target_value: float = 0.0  # stop once the central target_metric reaches this; 0 = never

@@ -230,6 +230,7 @@ def validate(cfg: Config) -> Config:
         f"must be >= federation.min_train_nodes ({f.min_train_nodes})",
     )
     _require(f.node_wait_timeout_s > 0, "federation.node_wait_timeout_s", f.node_wait_timeout_s, "must be > 0")
+    _require(f.round_wait_timeout_s > 0, "federation.round_wait_timeout_s", f.round_wait_timeout_s, "must be > 0")
     _require(f.round_timeout_s > 0, "federation.round_timeout_s", f.round_timeout_s, "must be > 0")
     _require(
         f.message_ttl_s >= f.round_timeout_s,

@@ -41,7 +41,7 @@ from app.run.factory import (
 )
 from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
 from app.run.monitoring import Monitor
-from app.run.results import RunRecorder, new_run_dir
+from app.run.results import RunRecorder, new_run_dir, read_summary
 from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles
@@ -52,6 +52,7 @@ from app.task.models import model_key, trainable_keys
 from app.task.training import evaluate, model_inputs, resolve_device, resolve_precision
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
+from strategies.node_wait import TooFewNodes
 from strategies.partitions import PartitionBinding
 from strategies.replies import payload_bytes
 from strategies.tensor_ops import record_to_tensors
@@ -153,6 +154,7 @@ class FederatedRun:
         self.arrays, self.frozen = self.split(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
         self.strategy.frozen = self.frozen
+        self.strategy.round_wait_timeout_s = cfg.federation.round_wait_timeout_s
         self.strategy.unpack = self.unpack = uplink_decoder(cfg.compression)
         self.strategy.downlink = downlink_encoder(cfg.compression, cfg.seed)
         self.first_round, self.elapsed_before = 1, 0.0
@@ -571,6 +573,9 @@ class FederatedRun:
             except PrivacyBudgetExhausted as err:
                 self.stop_reason = str(err)
                 log.warning("stopping: %s; the saved model is the last one released within the budget", err)
+            except TooFewNodes as err:  # resumable: the summary says stopped, not completed
+                status, self.stop_reason = "stopped", str(err)
+                raise
             status = "completed"
         finally:
             self.monitor.close()
@@ -581,7 +586,7 @@ class FederatedRun:
                 "dataset": cfg.dataset.name,
                 "model": cfg.model.name,
                 "num_nodes": len(self.nodes),
-                "stop_reason": self.stop_reason if status == "completed" else None,
+                "stop_reason": self.stop_reason if status in ("completed", "stopped") else None,
                 "attack": {**asdict(cfg.attack), "malicious_partitions": self.attacked},
                 **({"fleet": self.fleet} if self.fleet is not None else {}),
                 "privacy": self.privacy.summary(),
@@ -622,6 +627,31 @@ def with_receipts(prior: NodeConfig | None, ledger: Ledger) -> NodeConfig:
     return per_node
 
 
+def completed_run(cfg: Config, root: Path) -> dict[str, Any] | None:
+    """With `resume=auto`, the named run's summary when it has already finished what this config
+    asks (its rounds, or its target or budget): re-running the same command is then a no-op."""
+    if cfg.resume != "auto":
+        return None
+    summary = read_summary(root / str(cfg.name))
+    if not summary or summary.get("status") != "completed":
+        return None
+    done = (
+        summary.get("stop_reason") not in (None, "rounds")
+        or summary.get("rounds_completed", 0) >= cfg.federation.rounds
+    )
+    return summary if done else None
+
+
 def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict[str, Any]:
-    """Train for `federation.rounds` rounds or versions (or the rest of them after `resume`)."""
+    """Train for `federation.rounds` rounds or versions (or the rest of them after `resume`);
+    with `resume=auto` and the run already complete, say so and return its summary."""
+    if (summary := completed_run(cfg, root)) is not None:
+        log.info(
+            "run %r already complete (stop reason: %s, %s steps): nothing to do; results: %s",
+            cfg.name,
+            summary.get("stop_reason"),
+            summary.get("rounds_completed"),
+            root / str(cfg.name),
+        )
+        return summary
     return FederatedRun(grid, cfg, raw, root).run()

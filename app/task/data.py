@@ -352,6 +352,12 @@ def load_local_data(cfg: DatasetConfig, path: str, seed: int) -> Source:
     under dataset=python what the loader returns when it takes a `data_path` argument."""
     if cfg.name == "python" and "data_path" in call_parameters("dataset._target_", str(cfg.target)):
         return _load_python(cfg, seed=seed, data_path=path)[0]
+    if not Path(path).exists():
+        raise DatasetUnavailableError(
+            f"node config data-path={path!r} does not exist on this node (an absolute path on the SuperNode's "
+            "machine, e.g. a file from scripts/export_partitions.py; start the SuperNode with "
+            "--node-config 'data-path=\"/abs/path/site.npz\"')"
+        )
     if Path(path).is_file() and cfg.name == "python":
         return _load_npz(path, images=False)[0]
     if Path(path).is_dir():
