@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp.strategy import strategy_utils
 from flwr.supercore.privacy_accounting import (
     GaussianPrivacyEvent,
     NeighboringRelation,
@@ -27,6 +26,7 @@ from app.run.results import read_rows
 from app.run.rows import EXACT_ROW_KEYS
 from app.simulation.local_grid import InProcessGrid
 from app.tools.in_process import run_in_process
+from strategies import node_wait
 from strategies.central_dp import (
     AdaptiveClip,
     CentralDP,
@@ -222,11 +222,11 @@ def test_poisson_cohorts_come_from_the_os_csprng_not_the_run_seed():
 
 
 def test_poisson_waits_for_nodes_and_divides_by_the_population_not_who_is_online(monkeypatch):
-    """No node connected at first: the cohort waits (as Flower's sampling does) instead of
+    """No node connected at first: the cohort waits (strategies/node_wait.py) instead of
     releasing noise divided by 0 · q. N is fixed then (8), so with 6 nodes gone (2 left,
     min_available_nodes) the expected cohort stays q·N = 4 and the release stays finite."""
     waits = []
-    monkeypatch.setattr(strategy_utils, "sleep", waits.append)
+    monkeypatch.setattr(node_wait.time, "sleep", waits.append)
 
     class LateGrid(InProcessGrid):
         calls = 0
