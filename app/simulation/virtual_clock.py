@@ -48,6 +48,7 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 
 FLEET_ERROR_CODE = 0  # flwr ErrorCode.UNKNOWN: the node is gone, as a real dropout looks to the server
 Work = Callable[[int, str], float]  # (partition, message type) -> examples the task processes
+NODES_TTL_S = 2.0  # how long the connected-node list is reused
 
 
 @dataclass
@@ -81,6 +82,8 @@ class VirtualClockGrid(Grid):
         self._seq = count()
         self._tasks_per_partition: dict[int, int] = {}
         self._upload_bytes: dict[int, int] = {}  # node -> its last reply's size
+        self._nodes: list[int] = []
+        self._nodes_at: float | None = None
 
     # --- Grid --------------------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
@@ -93,10 +96,19 @@ class VirtualClockGrid(Grid):
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001, ANN201
         return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
 
+    def _known_nodes(self) -> list[int]:
+        """The simulated nodes connected (Flower's grid asks its SuperLink: at most every
+        NODES_TTL_S of real time, as FedBuff asks for every task it sends)."""
+        now = time.monotonic()
+        if self._nodes_at is None or now - self._nodes_at > NODES_TTL_S:
+            self._nodes = [n for n in self.inner.get_node_ids() if n in self.partitions]
+            self._nodes_at = now
+        return self._nodes
+
     def get_node_ids(self) -> list[int]:
         """The simulated nodes online now, in partition order. Fewer than `min_nodes` with nothing
         in flight: a caller would wait for nodes, so the clock jumps to when enough are back."""
-        known = [n for n in self.inner.get_node_ids() if n in self.partitions]
+        known = self._known_nodes()
         while True:
             online = [n for n in known if self._profile(n).online_at(self.now)]
             if len(online) >= self.min_nodes or self.in_flight or self._arrived:
@@ -134,19 +146,27 @@ class VirtualClockGrid(Grid):
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         """At most one reply: the earliest in simulated time, once no task out can finish before it."""
         wanted = set(message_ids)
-        self._collect()
+        released = self._next(wanted)
+        if released is None:  # nothing can go yet: take what the ClientApps have sent back since
+            self._collect()
+            released = self._next(wanted)
+        return [released] if released is not None else []
+
+    def _next(self, wanted: set[str]) -> Message | None:
+        """The earliest reply come back, released, if no task of `wanted` still out could finish
+        before it."""
         while self._arrived and self._arrived[0][3] not in wanted:  # given up by the caller
             _, _, _, mid, _ = heapq.heappop(self._arrived)
             self.in_flight.pop(mid, None)
         if not self._arrived:
-            return []
+            return None
         finish, partition, seq, mid, reply = self._arrived[0]
         waiting_on = [(t.bound, t.partition, t.seq) for m, t in self.in_flight.items() if not t.arrived and m in wanted]
         if waiting_on and min(waiting_on) < (finish, partition, seq):
-            return []
+            return None
         heapq.heappop(self._arrived)
         self._release(mid, finish)
-        return [reply]
+        return reply
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         """A synchronous round: every reply that finishes within `timeout` simulated seconds of the
