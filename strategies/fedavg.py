@@ -234,7 +234,7 @@ class FedAvg(Strategy):
         nodes = wait_for_nodes(
             grid,
             max(self.min_available_nodes, wanted),
-            self.fewest_nodes(minimum),
+            self.fewest_nodes(minimum) if kind == MessageType.TRAIN else max(minimum, 1),
             self.round_wait_timeout_s,
             self.seen,
         )
@@ -242,7 +242,8 @@ class FedAvg(Strategy):
         return random.sample(nodes, min(wanted, len(nodes)))
 
     def fewest_nodes(self, minimum: int) -> int:
-        """The smallest cohort a round can go on with: `minimum`, or more for a rule that needs it."""
+        """The smallest training cohort a round can go on with: `minimum`, or more for a rule that
+        needs it (evaluation needs no more than its minimum)."""
         n = max(minimum, 1)
         while self.node_count_problem(n) is not None and n < 10_000:
             n += 1
