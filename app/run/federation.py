@@ -266,6 +266,11 @@ class FederatedRun:
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.started
 
+    def budget_spent(self) -> str:
+        """The stop reason once federation.max_wall_time_s is spent, on the run's clock."""
+        kind = "simulated" if self.clock is not None else "wall-clock"
+        return f"{kind} budget {self.cfg.federation.max_wall_time_s:.0f} s spent"
+
     def budget_time(self) -> float:
         """What federation.max_wall_time_s counts: simulated seconds on a virtual clock, else wall time."""
         return self.clock.now if self.clock is not None else self.elapsed()
@@ -345,7 +350,7 @@ class FederatedRun:
         if f.target_value and value is not None and value >= f.target_value:
             self.stop_reason = f"target {f.target_metric} {f.target_value} reached"
         elif f.max_wall_time_s and self.budget_time() >= f.max_wall_time_s:
-            self.stop_reason = f"{'simulated' if self.clock else 'wall-clock'} budget {f.max_wall_time_s:.0f} s spent"
+            self.stop_reason = self.budget_spent()
         elif rnd >= f.rounds:
             self.stop_reason = "rounds"
         else:
@@ -532,7 +537,7 @@ class FederatedRun:
             self.privacy.record_spending(strategy.report.client_metrics)
             self.save_state(strategy.version, self.elapsed())
         if deadline is not None and clock() >= deadline:
-            self.stop_reason = f"{'simulated' if self.clock else 'wall-clock'} budget {budget:.0f} s spent"
+            self.stop_reason = self.budget_spent()
 
     def final_evaluation(self) -> dict[str, Any]:
         """The final model's metrics when the last row did not evaluate it.
