@@ -58,7 +58,7 @@ def wait_for_nodes(
             )
         if time.monotonic() >= next_log:
             log.info(
-                "waiting up to %.0f s more for nodes: %d connected, %d wanted%s",
+                "waiting up to %.0f s more (federation.round_wait_timeout_s) for nodes: %d connected, %d wanted%s",
                 timeout_s - waited,
                 len(nodes),
                 wanted,

@@ -1,0 +1,478 @@
+"""The secure Flower stack on this machine, in the background, with one command up and one down.
+
+    python scripts/local_deployment.py up --state-dir ~/fedgpu-local --nodes 2
+    FLWR_HOME=~/fedgpu-local/cli flwr run . local --stream --run-config "overrides='name=exp1 resume=auto'"
+    python scripts/local_deployment.py status --state-dir ~/fedgpu-local
+    python scripts/local_deployment.py down --state-dir ~/fedgpu-local
+
+`up` makes the credentials (a CA and the SuperLink's certificate, a SuperExec secret, one
+key pair per node), exports one data file per node (scripts/export_partitions.py), starts
+the SuperLink (TLS, SuperNode authentication, the Runtime API locked with `--isolation
+process`), its SuperExec, registers the node keys and starts one SuperNode per data file,
+then waits until every node is online. Every process runs with its own FLWR_HOME under the
+state directory and writes its log there (`<name>/output.log`); `deployment.json` records
+the ports, process ids and node ids. `up` again restarts whatever is no longer running (a
+killed SuperNode rejoins with its key and data), and starts nothing twice.
+
+`down` stops exactly what `up` started: every process whose command line or environment
+names the state directory (the SuperLink's detached SuperExec and the per-run ServerApp and
+per-message ClientApp processes included), SIGTERM first. The state directory keeps the
+credentials, the SuperLink's database and the logs for the next `up`; `--purge` deletes it.
+The state directory must lie outside any git work tree (or be ignored by git): it holds
+private keys. Run results land where the run's `output-dir` says (default ~/fedgpu-runs).
+`--insecure` drops TLS and node authentication (a first look only; never expose it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import string
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ run as files, not a package
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the app, also from a checkout
+
+import credentials  # noqa: E402
+from export_partitions import export_partitions  # noqa: E402
+from register_nodes import register, wait_for_superlink  # noqa: E402
+
+from app.tools.processes import flwr_cli, free_ports, parse_flwr_json, stop_processes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STATE_FILE = "deployment.json"
+CONNECTION = "local"  # the flwr CLI's connection, in <state>/cli/config.toml
+START_TIMEOUT_S = 60.0
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class DeploymentError(RuntimeError):
+    """Something went wrong starting or reading the stack; the message says what and where."""
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll `check` until it returns something truthy; DeploymentError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if result := check():
+            return result
+        if time.monotonic() > deadline:
+            raise DeploymentError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return ANSI.sub("", path.read_text(errors="replace"))[-chars:]
+    except OSError:
+        return f"<no {path}>"
+
+
+def _alive(pid: int) -> bool:
+    """A live, non-zombie process with that id."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class Deployment:
+    """A SuperLink, its SuperExec and `num_nodes` SuperNodes on 127.0.0.1, state under `root`.
+
+    `data_paths`: one data file per node (`data-path=` node config); None gives each node a
+    demo partition (`partition-id`/`num-partitions`) instead. `edge`: SuperNodes connect
+    through nginx with docker/server/fleet-edge.conf.template, as in the server compose file.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        num_nodes: int = 2,
+        secure: bool = True,
+        data_paths: Sequence[Path] | None = None,
+        edge: bool = False,
+        port: int | None = None,
+    ) -> None:
+        if edge and not secure:
+            raise DeploymentError("the edge terminates TLS with the SuperLink's certificate: drop --insecure")
+        if data_paths is not None and len(data_paths) != num_nodes:
+            raise DeploymentError(f"{len(data_paths)} data files for {num_nodes} nodes: give one per node")
+        self.root = Path(root).expanduser().resolve()
+        self.num_nodes, self.secure, self.edge = num_nodes, secure, edge
+        self.data_paths = [Path(p).resolve() for p in data_paths] if data_paths is not None else None
+        self.port = port or free_ports(1)[0]
+        self.node_ports = free_ports(num_nodes)
+        self.fleet_port = free_ports(1)[0] if edge else self.port
+        self.pids: dict[str, int] = {}
+        self.node_ids: list[int] = []
+        self.procs: list[subprocess.Popen] = []  # the processes this object started (for wait/poll)
+        self._superlink_starts = 0
+
+    # ------------------------------------------------------------------ state on disk
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def creds(self) -> Path:
+        return self.root / "creds"
+
+    def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        state = {
+            "num_nodes": self.num_nodes, "secure": self.secure, "edge": self.edge, "port": self.port,
+            "node_ports": self.node_ports, "fleet_port": self.fleet_port, "node_ids": self.node_ids,
+            "pids": self.pids, "data_paths": [str(p) for p in self.data_paths] if self.data_paths else None,
+        }  # fmt: skip
+        (self.root / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, root: Path) -> Deployment:
+        """The deployment recorded under `root` by an earlier `up`."""
+        root = Path(root).expanduser().resolve()
+        try:
+            state = json.loads((root / STATE_FILE).read_text())
+        except FileNotFoundError:
+            raise DeploymentError(f"no {STATE_FILE} in {root}: nothing was brought up there") from None
+        data = state["data_paths"]
+        fed = cls(root, state["num_nodes"], state["secure"], data and [Path(p) for p in data], state["edge"])
+        fed.port, fed.node_ports, fed.fleet_port = state["port"], state["node_ports"], state["fleet_port"]
+        fed.node_ids, fed.pids = state["node_ids"], state["pids"]
+        return fed
+
+    def running(self) -> dict[str, bool]:
+        """Each recorded long-running process: alive or not."""
+        return {name: _alive(pid) for name, pid in self.pids.items()}
+
+    # ------------------------------------------------------------------ processes
+
+    def env(self, home: str) -> dict[str, str]:
+        """Environment of every process: a private FLWR_HOME under the state directory (also
+        the marker `down` finds it by), nothing installed from the network."""
+        path = self.root / home
+        path.mkdir(parents=True, exist_ok=True)
+        return {
+            **os.environ,
+            "FLWR_HOME": str(path),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "MPLCONFIGDIR": str(self.root / "matplotlib"),  # the ServerApp's plots cache fonts here
+            "PYTHONUNBUFFERED": "1",  # logs reach the files as they are written
+        }
+
+    def spawn(
+        self, home: str, cmd: list[str], cwd: Path | None = None, log_name: str = "output.log"
+    ) -> tuple[subprocess.Popen, Path]:
+        """Start `cmd` in the background (own session) with its output in `<home>/<log_name>`."""
+        env = self.env(home)
+        log = self.root / home / log_name
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                cmd, env=env, cwd=cwd or env["FLWR_HOME"], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        self.procs.append(proc)
+        if home != "cli":  # recorded at once: `down` must find it even if `up` fails later
+            self.pids[home] = proc.pid
+            self.save()
+        return proc, log
+
+    def _wait_listening(self, proc: subprocess.Popen, log: Path, port: int, what: str) -> None:
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise DeploymentError(f"{what} exited {proc.returncode}; its log {log}:\n{tail(log)}")
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, START_TIMEOUT_S, f"{what} on port {port} (log: {log})")
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """A short `flwr` command with the deployment's config.toml (connection "local")."""
+        return subprocess.run(
+            [flwr_cli(), *args], env=self.env("cli"), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def write_cli_config(self, name: str, root_certificates: Path | None, port: int | None = None) -> None:
+        """A `[superlink.<name>]` entry in <state>/cli/config.toml for the SuperLink (or `port`);
+        CONNECTION is made the default."""
+        home = Path(self.env("cli")["FLWR_HOME"])
+        credentials.write_flwr_config(name, f"127.0.0.1:{port or self.port}", root_certificates, home)
+        text = (home / "config.toml").read_text()
+        if not text.startswith("[superlink]\n"):
+            (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n' + text)
+
+    def _make_credentials(self) -> None:
+        """TLS for 127.0.0.1/localhost and the SuperExec secret, kept across `up`s."""
+        if not (self.creds / "ca.crt").exists():
+            credentials.make_tls(self.creds, ["localhost"], ["127.0.0.1"])
+        credentials.make_superexec_secret(self.creds / "superexec.secret")
+
+    def _superlink_security(self) -> list[str]:
+        if not self.secure:
+            return ["--insecure"]
+        c = self.creds
+        return [
+            "--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "superlink.crt"),
+            "--ssl-keyfile", str(c / "superlink.key"), "--enable-supernode-auth",
+            "--isolation", "process", "--superexec-auth-secret-file", str(c / "superexec.secret"),
+        ]  # fmt: skip
+
+    def start_superlink(self) -> None:
+        """The SuperLink on its database (a restart keeps runs, nodes and keys) and, when
+        secure, its own `flower-superexec` for the ServerApps (the Runtime API is locked)."""
+        self._superlink_starts += 1
+        if self.secure:
+            self._make_credentials()
+        proc, log = self.spawn(
+            "superlink",
+            [
+                "flower-superlink", *self._superlink_security(), "--host", "127.0.0.1", "--port", str(self.port),
+                "--database", str(self.root / "superlink" / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+        )  # fmt: skip
+        self._wait_listening(proc, log, self.port, "flower-superlink")
+        if self.secure:
+            self.spawn(
+                "superexec",
+                [
+                    "flower-superexec", "--runtime-api-address", self.address,
+                    "--root-certificates", str(self.creds / "ca.crt"),
+                    "--superexec-auth-secret-file", str(self.creds / "superexec.secret"),
+                ],
+            )  # fmt: skip
+
+    def start_edge(self) -> None:
+        """nginx with the shipped Fleet-only proxy config in front of the SuperLink."""
+        home = self.root / "edge"
+        for sub in ("tmp", "logs"):
+            (home / sub).mkdir(parents=True, exist_ok=True)
+        template = (REPO / "docker" / "server" / "fleet-edge.conf.template").read_text()
+        server = string.Template(template).safe_substitute(
+            EDGE_PORT=f"127.0.0.1:{self.fleet_port}", CREDS=str(self.creds), SUPERLINK=self.address,
+            SUPERLINK_NAME="localhost",
+        )  # fmt: skip
+        (home / "fleet-edge.conf").write_text(server)
+        temp = " ".join(f"{kind}_temp_path {home / 'tmp' / kind};" for kind in ("client_body", "proxy"))
+        # nginx's combined format plus the upstream it contacted ("-": the SuperLink saw nothing).
+        log_format = (
+            'log_format edge \'$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent '
+            '"$http_referer" "$http_user_agent" upstream=$upstream_addr\';'
+        )
+        (home / "nginx.conf").write_text(
+            ("user root;\n" if os.geteuid() == 0 else "")  # workers must read the state directory
+            + f"pid {home / 'nginx.pid'};\nerror_log {home / 'logs' / 'error.log'} info;\nevents {{}}\n"
+            + f"http {{\n {log_format}\n access_log {home / 'logs' / 'access.log'} edge;\n {temp}\n"
+            + f" include {home / 'fleet-edge.conf'};\n}}\n"
+        )
+        proc, log = self.spawn("edge", ["nginx", "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"])
+        self._wait_listening(proc, log, self.fleet_port, "nginx")
+
+    def node_config(self, i: int) -> str:
+        """Node `i`'s data: its file (a TOML string: quoted, absolute), else a demo partition."""
+        if self.data_paths:
+            return f'data-path="{self.data_paths[i]}"'
+        return f"partition-id={i} num-partitions={self.num_nodes}"
+
+    def node_keys(self, name: str) -> tuple[Path, Path]:
+        """(private, public) key of node `name`, made on first use and kept after."""
+        private = self.creds / "keys" / name
+        if private.exists():
+            return private, private.with_name(f"{name}.pub")
+        ((private, public),) = credentials.make_node_keys(self.creds / "keys", [name])
+        return private, public
+
+    def spawn_node(self, name: str, port: int, i: int, register_key: bool) -> tuple[subprocess.Popen, Path]:
+        """A SuperNode for data `i`; when secure, with its own key pair (registered or not)."""
+        security = ["--insecure"]
+        if self.secure:
+            private, public = self.node_keys(name)
+            if register_key:
+                register([public], CONNECTION, self.env("cli"))
+            security = ["--root-certificates", str(self.creds / "ca.crt"), "--auth-supernode-private-key", str(private)]
+        return self.spawn(
+            name,
+            [
+                "flower-supernode", *security, "--superlink", f"127.0.0.1:{self.fleet_port}", "--port", str(port),
+                "--node-config", self.node_config(i),
+            ],
+        )  # fmt: skip
+
+    def start_node(self, i: int) -> None:
+        """SuperNode `i` (name node-i), until the SuperLink has given it a node id."""
+        name = f"node-{i}"
+        proc, log = self.spawn_node(name, self.node_ports[i], i, register_key=True)
+        seen = len(tail(log, 10**7))  # a restart appends to the log: read only what is new
+
+        def node_id() -> int | None:
+            if m := re.search(r"SuperNode ID: (\d+)", tail(log, 10**7)[seen:]):
+                return int(m.group(1))
+            if proc.poll() is not None:
+                raise DeploymentError(f"flower-supernode {name} exited {proc.returncode}; its log {log}:\n{tail(log)}")
+            return None
+
+        node = wait_until(node_id, START_TIMEOUT_S, f"SuperNode {name} to connect (log: {log})")
+        self.node_ids[i:i + 1] = [node]  # fmt: skip
+
+    def online_nodes(self) -> set[int]:
+        """Node ids `flwr supernode list` shows online (empty when the SuperLink does not answer)."""
+        proc = self.cli("supernode", "list", CONNECTION, "--format", "json")
+        try:
+            nodes = parse_flwr_json(proc.stdout)["nodes"]
+        except (ValueError, KeyError):
+            return set()
+        return {int(n["node-id"]) for n in nodes if n["status"] == "online"}
+
+    def wait_nodes_online(self, timeout: float = 30.0) -> None:
+        wait_until(
+            lambda: set(self.node_ids) <= self.online_nodes(), timeout, f"{self.num_nodes} nodes online", 1.0
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ up / down / status
+
+    def up(self) -> list[str]:
+        """Start what is not running (all of it the first time); the names started."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        alive = self.running()
+        started = []
+        if not alive.get("superlink"):
+            if self.pids:  # a restart: nothing of the old server side may linger
+                for home in ("superlink", "superexec"):
+                    stop_processes(str(self.root / home), grace_s=5.0)
+            self.start_superlink()
+            started += ["superlink", "superexec"] if self.secure else ["superlink"]
+        if self.edge and not alive.get("edge"):
+            self.start_edge()
+            started.append("edge")
+        self.write_cli_config(CONNECTION, self.creds / "ca.crt" if self.secure else None)
+        if self.secure:
+            wait_for_superlink(CONNECTION, self.env("cli"), START_TIMEOUT_S, f"at {self.address}")
+        self.node_ids += [0] * (self.num_nodes - len(self.node_ids))
+        for i in range(self.num_nodes):
+            if not alive.get(f"node-{i}"):
+                stop_processes(str(self.root / f"node-{i}"))  # a crashed node's SuperExec and ClientApps
+                self.start_node(i)
+                started.append(f"node-{i}")
+        self.save()
+        self.wait_nodes_online(timeout=180.0)  # nodes that outlived a SuperLink restart retry with back-off
+        return started
+
+    def homes(self) -> list[str]:
+        """The processes' FLWR_HOMEs under the state directory, nodes first; not the CLI's
+        (a `flwr run --stream` someone follows a run with is theirs, not the stack's)."""
+        nodes = [f"node-{i}" for i in range(self.num_nodes)]
+        return [*nodes, *sorted({*self.pids, "edge", "superexec", "superlink"} - {*nodes, "superlink"}), "superlink"]
+
+    def down(self, grace_s: float = 10.0) -> None:
+        """Stop every process started for this state directory (SIGTERM, then SIGKILL), with
+        what they spawned (the SuperLink's detached SuperExec, ServerApps, ClientApps)."""
+        for home in self.homes():
+            stop_processes(str(self.root / home), grace_s=grace_s)
+        self.pids = {}
+        self.save()
+
+    def status(self) -> str:
+        """A few lines for a person: processes, nodes online, how to submit a run."""
+        lines = [
+            f"state directory {self.root}; SuperLink at {self.address}" + (" (insecure)" if not self.secure else "")
+        ]
+        for name, alive in self.running().items():
+            lines.append(f"  {name:<10} pid {self.pids[name]:<8} {'running' if alive else 'NOT RUNNING'}")
+        if not self.pids:
+            lines.append("  nothing running (down)")
+        else:
+            online = self.online_nodes()
+            lines.append(f"  nodes online: {sum(n in online for n in self.node_ids)} of {self.num_nodes}")
+        lines.append(
+            f"submit a run:  FLWR_HOME={self.root / 'cli'} flwr run {REPO} {CONNECTION} --stream "
+            "--run-config \"overrides='name=exp1 resume=auto'\""
+        )
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        """`down` without the grace period (tests)."""
+        self.down(grace_s=0.0)
+
+
+def _check_state_dir(path: Path, allow_in_repo: bool) -> None:
+    """Refuse a state directory that git would commit (it holds private keys)."""
+    if not allow_in_repo:
+        try:
+            credentials.refuse_work_tree(path)
+        except ValueError as err:
+            raise DeploymentError(str(err).replace("--out", "--state-dir")) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--state-dir", type=Path, default=Path("~/fedgpu-local"), help="default ~/fedgpu-local")
+    parser.add_argument("--nodes", type=int, help="SuperNodes, one data file each (up; default 2)")
+    parser.add_argument("--port", type=int, default=9092, help="the SuperLink's port on 127.0.0.1 (up; default 9092)")
+    parser.add_argument("--data", type=Path, nargs="+", help="one data file per node (up; default: exported demo data)")
+    parser.add_argument("--overrides", default="", help="Hydra overrides for the exported demo data (up)")
+    parser.add_argument("--insecure", action="store_true", help="no TLS, no node authentication (up; a first look)")
+    parser.add_argument("--edge", action="store_true", help="nodes connect through the nginx Fleet edge (up)")
+    parser.add_argument("--purge", action="store_true", help="delete the state directory after stopping (down)")
+    parser.add_argument("--allow-in-repo", action="store_true", help="allow a state directory git does not ignore")
+    args = parser.parse_args(argv)
+    root = args.state_dir.expanduser().resolve()
+    os.environ["MPLCONFIGDIR"] = str(root / "matplotlib")  # Flower Datasets imports matplotlib: not in ~/.cache
+    try:
+        if args.command == "up":
+            _check_state_dir(root, args.allow_in_repo)
+            if (root / STATE_FILE).exists():
+                fed = Deployment.load(root)
+                if args.nodes not in (None, fed.num_nodes):
+                    raise DeploymentError(
+                        f"{root} holds a deployment of {fed.num_nodes} nodes: bring that one up (no --nodes), "
+                        "or `down --purge` it first, or use another --state-dir"
+                    )
+            else:
+                nodes = len(args.data) if args.data else args.nodes or 2
+                if nodes < 1 or (args.data and args.nodes not in (None, nodes)):
+                    parser.error("--nodes must be at least 1 and match the number of --data files")
+                if args.edge and shutil.which("nginx") is None:
+                    raise DeploymentError("--edge needs nginx on PATH (apt-get install nginx)")
+                data = args.data
+                if data is None:
+                    print(f"exporting {nodes} demo data files to {root / 'data'} ...", flush=True)
+                    data = export_partitions(root / "data", nodes, args.overrides)
+                missing = [str(p) for p in data if not Path(p).is_file()]
+                if missing:
+                    raise DeploymentError(f"data file(s) not found: {', '.join(missing)}")
+                fed = Deployment(root, len(data), not args.insecure, data, args.edge, args.port)
+            started = fed.up()
+            print(f"started: {', '.join(started) or 'nothing (all running)'}", flush=True)
+        elif args.command == "down":
+            fed = Deployment.load(root)
+            fed.down()
+            print(f"stopped everything under {root}")
+            if args.purge:
+                shutil.rmtree(root)
+                print(f"deleted {root}")
+            return 0
+        else:
+            fed = Deployment.load(root)
+        print(fed.status())
+    except (DeploymentError, RuntimeError) as err:  # RegistrationError too
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
