@@ -161,32 +161,6 @@ def test_flwr_run_bad_override_fails_without_training(flwr_env: dict[str, str], 
     assert not out_dir.exists() or not any(out_dir.rglob("metrics.jsonl")), sorted(out_dir.rglob("*"))
 
 
-def test_flwr_run_fedbuff_with_stragglers(flwr_env: dict[str, str], tmp_path: Path) -> None:
-    """The asynchronous loop under Flower's simulation runtime (push/pull through a real SuperLink),
-    with a compressed uplink (topk, int8 values) and downlink (deltas after each node's first task)."""
-    out_dir = tmp_path / "runs"
-    code, out, run_id = flwr_run(
-        flwr_env,
-        out_dir,
-        "strategy=fedbuff strategy.buffer_size=3 stragglers=lognormal federation.rounds=4 "
-        "compression=topk compression.ratio=0.05 compression.quantize_values=true compression.downlink=delta",
-    )
-    assert code == 0 and run_id, out[-4000:]
-    assert run_status(flwr_env, run_id)["status"] == "finished:completed", out[-4000:]
-    (summary_path,) = out_dir.rglob("summary.json")
-    summary = json.loads(summary_path.read_text())
-    assert summary["status"] == "completed" and summary["fedbuff"]["versions"] == 4, summary
-    rows = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in rows] == [1, 2, 3, 4]
-    assert all(len(r["staleness"]) == r["num_clients"] == 3 for r in rows), rows
-    full = rows[0]["bytes_down"]  # the first tasks carry the whole model: no node holds a copy yet
-    assert all(r["num_rejected"] == 0 and 0 < r["bytes_up"] < full / 10 for r in rows), rows
-    assert sum(r["bytes_down_total"] for r in rows) < summary["fedbuff"]["tasks_sent"] * full / 2, rows
-    assert len(summary["fleet"]["samples_per_s_per_partition"]) == 3  # stragglers: a fleet's short form
-    times = [r["sim_time_s"] for r in rows]
-    assert times == sorted(times) and times[0] > 0, rows
-
-
 def _finished_run(env: dict[str, str], out_dir: Path, overrides: str, federation: str) -> tuple[dict, list[dict]]:
     code, out, run_id = flwr_run(env, out_dir, overrides, federation=federation)
     assert code == 0 and run_id, out[-4000:]
@@ -201,14 +175,17 @@ def test_flwr_run_on_a_virtual_clock_is_the_same_on_one_or_two_workers(
 ) -> None:
     """Flower's simulation engine with one ClientApp worker (2 CPUs each) and with two (1 CPU
     each): a FedBuff run on a device fleet with drop-outs gives the same versions, staleness
-    values, simulated times and final model."""
+    values, simulated times and final model. The asynchronous loop pushes and pulls through a
+    real SuperLink with a compressed uplink (top-k, int8 values, error feedback) and downlink
+    (deltas after each node's first task), both seeded, so the bytes are the same too."""
     import torch
 
     from app.ledger.chain import model_digest
 
     overrides = (
         "strategy=fedbuff strategy.buffer_size=2 fleet=devices fleet.availability=bernoulli "
-        "fleet.completion_p=0.8 federation.rounds=6 train.epochs=1 train.deterministic=true"
+        "fleet.completion_p=0.8 federation.rounds=6 train.epochs=1 train.deterministic=true "
+        "compression=topk compression.ratio=0.05 compression.quantize_values=true compression.downlink=delta"
     )
     runs = []
     for cpus in (2, 1):
@@ -222,12 +199,20 @@ def test_flwr_run_on_a_virtual_clock_is_the_same_on_one_or_two_workers(
                 r["staleness"],
                 [(partition[u["node_id"]], u["staleness"], u["weight"]) for u in r["applied"]],
                 [(partition[f["node_id"]], f["reason"]) for f in r["failed"]],
+                (r["bytes_up"], r["bytes_down_total"]),
             )
             for r in rows
         ]
         runs.append((steps, model_digest(torch.load(summary["final_model"], weights_only=True))))
     assert runs[0] == runs[1]
     assert any(step[4] for step in runs[0][0])  # drop-outs happened
+    assert summary["status"] == "completed" and [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6], summary
+    assert all(len(r["staleness"]) == r["num_clients"] == 2 for r in rows), rows
+    full = rows[0]["bytes_down"]  # the first tasks carry the whole model: no node holds a copy yet
+    assert all(r["num_rejected"] == 0 and 0 < r["bytes_up"] < full / 10 for r in rows), rows
+    assert sum(r["bytes_down_total"] for r in rows) < summary["fedbuff"]["tasks_sent"] * full / 2, rows
+    times = [r["sim_time_s"] for r in rows]
+    assert times == sorted(times) and times[0] > 0, rows
 
 
 USER_MODULE = """
