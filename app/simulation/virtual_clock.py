@@ -27,6 +27,7 @@ the node's last reply's size for the upload (this task's download size before an
 
 from __future__ import annotations
 
+import copy
 import heapq
 import logging
 import math
@@ -84,6 +85,8 @@ class VirtualClockGrid(Grid):
         self._upload_bytes: dict[int, int] = {}  # node -> its last reply's size
         self._nodes: list[int] = []
         self._nodes_at: float | None = None
+        self._unsent: list[tuple[str, Message]] = []  # (clock id, task) scheduled, not yet pushed
+        self._clock_id: dict[str, str] = {}  # Flower's message id -> the clock's, for tasks out
 
     # --- Grid --------------------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
@@ -120,28 +123,42 @@ class VirtualClockGrid(Grid):
             log.info("virtual clock: %d node(s) online, waiting for more: t=%.1f s", len(online), self.now)
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
-        ids: list[str | None] = []
-        real: list[tuple[int, Message, Task]] = []
+        """Schedule each task now, in simulated time; send them to the nodes in one batch when the
+        caller next waits for a reply (`pull_messages`): FedBuff sends one task per released
+        reply, and a push per task would cost a round trip to the SuperLink each. The ids are the
+        clock's own; replies come back under them."""
+        ids = []
         for msg in messages:
             task, failure = self._schedule(msg)
-            if failure is None:
-                ids.append(None)
-                real.append((len(ids) - 1, msg, task))
-                continue
-            at, reason = failure
-            mid = f"virtual-{task.seq}"
-            msg.metadata.__dict__["_message_id"] = mid  # never sent: the reply below answers this id
-            reply = Message(Error(code=FLEET_ERROR_CODE, reason=reason), reply_to=msg)
+            mid = f"clock-{task.seq}"
+            msg.metadata.__dict__["_message_id"] = mid  # as the caller will see its reply's reply_to
             self.in_flight[mid] = task
+            ids.append(mid)
+            if failure is None:
+                self._unsent.append((mid, msg))
+                continue
+            at, reason = failure  # never sent: this error reply answers it at that moment
+            reply = Message(Error(code=FLEET_ERROR_CODE, reason=reason), reply_to=msg)
             task.arrived = True
             heapq.heappush(self._arrived, (at, task.partition, task.seq, mid, reply))
             self.busy_until[task.node] = at
-            ids.append(mid)
-        if real:
-            for (i, _msg, task), mid in zip(real, self.inner.push_messages([m for _, m, _ in real]), strict=True):
-                ids[i] = mid
-                self.in_flight[mid] = task
-        return [mid for mid in ids if mid is not None]
+        return ids
+
+    def _flush(self) -> None:
+        """Send the tasks scheduled since the last flush, in one push. Each goes as a copy that
+        Flower's grid gives its own id: the caller's message keeps the clock's."""
+        if not self._unsent:
+            return
+        unsent, self._unsent = self._unsent, []
+        copies = []
+        for _, msg in unsent:
+            sent = copy.copy(msg)
+            sent.__dict__["_metadata"] = copy.copy(msg.metadata)
+            copies.append(sent)
+        for (mid, msg), real in zip(unsent, self.inner.push_messages(copies), strict=True):
+            if not real:
+                raise RuntimeError(f"Flower did not accept the task for node {msg.metadata.dst_node_id}")
+            self._clock_id[real] = mid
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         """At most one reply: the earliest in simulated time, once no task out can finish before it."""
@@ -226,12 +243,14 @@ class VirtualClockGrid(Grid):
         return task, min(failures) if failures else None
 
     def _collect(self) -> None:
-        """Take the replies that have come back from the ClientApps, each at its simulated finish."""
-        pending = [m for m, t in self.in_flight.items() if not t.arrived]
-        if not pending:
+        """Send what is scheduled, then take the replies that have come back from the ClientApps,
+        each at its simulated finish, under the clock's id."""
+        self._flush()
+        if not self._clock_id:
             return
-        for reply in self.inner.pull_messages(pending):
-            mid = reply.metadata.reply_to_message_id
+        for reply in self.inner.pull_messages(list(self._clock_id)):
+            mid = self._clock_id.pop(reply.metadata.reply_to_message_id)
+            reply.metadata.__dict__["_reply_to_message_id"] = mid
             task = self.in_flight[mid]
             task.arrived = True
             finish = task.bound
