@@ -20,6 +20,10 @@ node is sent its next task at the simulated moment it became idle. The order, an
 versions, staleness values and models, do not depend on the host or on how many simulation
 workers there are.
 
+Tasks are scheduled (start and earliest finish) the moment the strategy sends them, and pushed
+to the SuperLink together when the strategy next waits for a reply: one round trip per batch,
+not per task. The strategy sees the clock's own message ids.
+
 A task whose node drops out (`fleet.completion_p`) or goes offline (`fleet.trace`) before its
 predicted finish is never run: its error reply comes back at that moment. The prediction uses
 the node's last reply's size for the upload (this task's download size before any reply).
