@@ -197,7 +197,7 @@ def test_a_killed_serverapp_is_stopped_and_resubmitted_until_the_run_completes(t
     try:
         fed = "num-supernodes=2 client-resources-num-cpus=1"
         attempts = supervise(
-            flwr, overrides, output_dir=str(out), federation_config=fed, stall_timeout_s=120, echo=lambda _: None
+            flwr, overrides, output_dir=str(out), federation_config=fed, stall_timeout_s=60, echo=lambda _: None
         )
         killer.join(timeout=5)
         again = supervise(flwr, overrides, output_dir=str(out), federation_config=fed, echo=lambda _: None)
