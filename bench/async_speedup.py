@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,7 @@ def flwr_run(name: str, overrides: str, root: Path, nodes: int) -> dict:
     run_dir = root / "runs" / name
     summary = read_summary(run_dir)
     if not summary or summary.get("status") != "completed":
+        shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run starts again from scratch
         job = root / "jobs" / name
         job.mkdir(parents=True, exist_ok=True)
         fed = f"num-supernodes={nodes} client-resources-num-cpus=1"
