@@ -1,13 +1,11 @@
 """scripts/register_nodes.py against a real `flower-superlink` on loopback (TLS and
 SuperNode authentication, as deployed: Flower 1.42 refuses `--enable-supernode-auth`
-without TLS). The SuperLink runs with a private FLWR_HOME under the test's temporary
-directory; teardown kills its process group and anything else marked with that path."""
+without TLS), started by scripts/local_deployment.py under the test's temporary directory;
+teardown stops every process marked with that path."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from app.tools.processes import free_ports, parse_flwr_json, stop_processes
+from app.tools.processes import free_ports, parse_flwr_json
 from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "register_nodes.py"
 credentials = load_script("credentials")
+local_deployment = load_script("local_deployment")
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -37,41 +36,15 @@ def _register(*args: str, home: Path, timeout: float = 60.0) -> subprocess.Compl
 
 @pytest.fixture(scope="module")
 def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
-    """A secure SuperLink on 127.0.0.1: (address, CA certificate, directory for the test's files)."""
+    """A secure SuperLink on 127.0.0.1, started as scripts/local_deployment.py starts it (TLS,
+    node authentication), without nodes: (address, CA certificate, directory for the test's files)."""
     root = tmp_path_factory.mktemp("register").resolve()
-    creds = credentials.make_tls(root / "creds", ["localhost"], ["127.0.0.1"])
-    (port,) = free_ports(1)
-    home = root / "superlink"
-    log = root / "superlink.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                "flower-superlink", "--ssl-ca-certfile", str(creds["ca_cert"]), "--ssl-certfile", str(creds["cert"]),
-                "--ssl-keyfile", str(creds["key"]), "--enable-supernode-auth", "--host", "127.0.0.1",
-                "--port", str(port), "--database", str(home / "state.db"),
-                "--disable-runtime-dependency-installation",
-            ],
-            env=_env(home), cwd=home, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
+    stack = local_deployment.Deployment(root / "stack", num_nodes=0, secure=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"flower-superlink exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "flower-superlink did not listen within 60 s"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}", creds["ca_cert"], root
+        stack.start_superlink()
+        yield stack.address, stack.creds / "ca.crt", root
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-        stop_processes(str(root))
+        stack.close()
 
 
 def _node_list(address: str, ca: Path, home: Path) -> list[dict]:
