@@ -22,7 +22,9 @@ Settings (conf/fleet/): "3 nodes 5x slower" (fleet=fixed), "lognormal sigma=1" (
 and a mixed device-class fleet with wide-area links (fleet=devices).
 
 `--host-check` also runs 100 nodes x 50 FedBuff versions with fleet=lognormal and with fleet=none,
-side by side, and prints the ratio of their host times (the virtual clock must not cost time).
+side by side, and prints the ratio of their host times, overall and per task sent (the virtual
+clock must not cost time). With `--nodes` and no count it runs only the check and renews the
+`host_check` entry of `--out`, keeping the runs recorded there.
 """
 
 from __future__ import annotations
@@ -159,14 +161,17 @@ def main() -> None:
             f"({host['fleet_tasks_sent']} and {host['none_tasks_sent']} tasks sent: per task {host['ratio_per_task']:.2f})"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "machine": cpu_model(),
-        "target": args.target,
-        "rounds": args.rounds,
-        "stop_at_target": args.stop_at_target,
-        "runs": results,
-        "host_check": host,
-    }
+    if not results and args.out.exists():  # --nodes --host-check: keep the file's runs, renew the check
+        payload = {**json.loads(args.out.read_text()), "host_check": host}
+    else:
+        payload = {
+            "machine": cpu_model(),
+            "target": args.target,
+            "rounds": args.rounds,
+            "stop_at_target": args.stop_at_target,
+            "runs": results,
+            "host_check": host,
+        }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     if results:
         plot(results, args.plot, args.target)
