@@ -115,8 +115,6 @@ class Deployment:
         self.fleet_port = free_ports(1)[0] if edge else self.port
         self.pids: dict[str, int] = {}
         self.node_ids: list[int] = []
-        self.procs: list[subprocess.Popen] = []  # the processes this object started (for wait/poll)
-        self._superlink_starts = 0
 
     # ------------------------------------------------------------------ state on disk
 
@@ -183,7 +181,6 @@ class Deployment:
                 cmd, env=env, cwd=cwd or env["FLWR_HOME"], stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
-        self.procs.append(proc)
         if home != "cli":  # recorded at once: `down` must find it even if `up` fails later
             self.pids[home] = proc.pid
             self.save()
@@ -233,7 +230,6 @@ class Deployment:
     def start_superlink(self) -> None:
         """The SuperLink on its database (a restart keeps runs, nodes and keys) and, when
         secure, its own `flower-superexec` for the ServerApps (the Runtime API is locked)."""
-        self._superlink_starts += 1
         if self.secure:
             self._make_credentials()
         proc, log = self.spawn(
