@@ -235,6 +235,7 @@ def plot(results: list[dict], path: Path, target: float) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     first: dict[tuple[int, str], dict] = {}
     for r in results:
@@ -243,9 +244,10 @@ def plot(results: list[dict], path: Path, target: float) -> None:
     for ax, ((nodes, setting), r) in zip(axes[0], first.items(), strict=True):
         runs = [(label, Path(run["run_dir"])) for label, run in r["runs"].items()]
         draw_curves(ax, runs, "time", title=f"{setting}, {nodes} nodes (seed {r['seed']})", target=target)
-        ends = [max(line.get_xdata(), default=0) for line in ax.get_lines() if len(line.get_xdata())]
+        ends = [clock_s(rows[-1]) for _, run_dir in runs if (rows := read_rows(run_dir))]
         if ends and min(ends) > 0 and max(ends) / min(ends) > 20:  # FedBuff's curves would sit on the axis
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
