@@ -1,10 +1,11 @@
 """End to end against real deployment processes on loopback: one `flower-superlink`,
-three `flower-supernode`s, and the `flwr` CLI submitting through a named connection.
+two or three `flower-supernode`s, and the `flwr` CLI submitting through a named connection,
+all started by scripts/local_deployment.py (the documented path is the tested path).
 
 This is the path a real deployment takes (Fleet API over HTTP, one ClientApp process
 per message, FAB shipped to every node), which simulation never exercises. Every
 process gets its own FLWR_HOME under the test's temporary directory; that path in a
-process's command line or environment is how teardown finds everything started here,
+process's command line or environment is how teardown (`down`) finds everything started here,
 including the SuperLink's detached `flower-superexec` (own session) and the
 `flwr-serverapp` / `flwr-clientapp` processes the SuperExecs spawn.
 
