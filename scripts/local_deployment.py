@@ -46,13 +46,12 @@ import credentials  # noqa: E402
 from export_partitions import export_partitions  # noqa: E402
 from register_nodes import register, wait_for_superlink  # noqa: E402
 
-from app.tools.processes import flwr_cli, free_ports, parse_flwr_json, stop_processes  # noqa: E402
+from app.tools.processes import alive, flwr_cli, free_ports, parse_flwr_json, stop_processes, strip_colours  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STATE_FILE = "deployment.json"
 CONNECTION = "local"  # the flwr CLI's connection, in <state>/cli/config.toml
 START_TIMEOUT_S = 60.0
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class DeploymentError(RuntimeError):
@@ -72,18 +71,9 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
 
 def tail(path: Path, chars: int = 4000) -> str:
     try:
-        return ANSI.sub("", path.read_text(errors="replace"))[-chars:]
+        return strip_colours(path.read_text(errors="replace"))[-chars:]
     except OSError:
         return f"<no {path}>"
-
-
-def _alive(pid: int) -> bool:
-    """A live, non-zombie process with that id."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 class Deployment:
@@ -151,7 +141,7 @@ class Deployment:
 
     def running(self) -> dict[str, bool]:
         """Each recorded long-running process: alive or not."""
-        return {name: _alive(pid) for name, pid in self.pids.items()}
+        return {name: alive(pid) for name, pid in self.pids.items()}
 
     # ------------------------------------------------------------------ processes
 
@@ -342,15 +332,15 @@ class Deployment:
     def up(self) -> list[str]:
         """Start what is not running (all of it the first time); the names started."""
         self.root.mkdir(parents=True, exist_ok=True)
-        alive = self.running()
+        running = self.running()
         started = []
-        if not alive.get("superlink"):
+        if not running.get("superlink"):
             if self.pids:  # a restart: nothing of the old server side may linger
                 for home in ("superlink", "superexec"):
                     stop_processes(str(self.root / home), grace_s=5.0)
             self.start_superlink()
             started += ["superlink", "superexec"] if self.secure else ["superlink"]
-        if self.edge and not alive.get("edge"):
+        if self.edge and not running.get("edge"):
             self.start_edge()
             started.append("edge")
         self.write_cli_config(CONNECTION, self.creds / "ca.crt" if self.secure else None)
@@ -358,7 +348,7 @@ class Deployment:
             wait_for_superlink(CONNECTION, self.env("cli"), START_TIMEOUT_S, f"at {self.address}")
         self.node_ids += [0] * (self.num_nodes - len(self.node_ids))
         for i in range(self.num_nodes):
-            if not alive.get(f"node-{i}"):
+            if not running.get(f"node-{i}"):
                 stop_processes(str(self.root / f"node-{i}"))  # a crashed node's SuperExec and ClientApps
                 self.start_node(i)
                 started.append(f"node-{i}")
@@ -385,8 +375,8 @@ class Deployment:
         lines = [
             f"state directory {self.root}; SuperLink at {self.address}" + (" (insecure)" if not self.secure else "")
         ]
-        for name, alive in self.running().items():
-            lines.append(f"  {name:<10} pid {self.pids[name]:<8} {'running' if alive else 'NOT RUNNING'}")
+        for name, up in self.running().items():
+            lines.append(f"  {name:<10} pid {self.pids[name]:<8} {'running' if up else 'NOT RUNNING'}")
         if not self.pids:
             lines.append("  nothing running (down)")
         else:

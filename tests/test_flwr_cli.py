@@ -26,13 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from app.tools.processes import free_ports, parse_flwr_json, stop_processes
+from app.tools.processes import free_ports, parse_flwr_json, stop_processes, strip_colours
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300
 FEDERATION = "num-supernodes=3 client-resources-num-cpus=1"
 METRIC_KEYS = {"round", "accuracy", "loss", "wall_time_s", "num_clients", "num_rejected"}
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -74,7 +73,7 @@ def flwr_run(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=RUN_TIMEOUT_S, start_new_session=True,
     )  # fmt: skip
-    out = ANSI.sub("", proc.stdout)
+    out = strip_colours(proc.stdout)
     print(f"\n--- flwr run ({time.monotonic() - t0:.1f} s, exit {proc.returncode}) ---\n{out}")
     match = re.search(r"Successfully started run (\d+)", out)
     return proc.returncode, out, match.group(1) if match else None

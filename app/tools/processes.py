@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,17 +20,36 @@ import time
 from pathlib import Path
 from typing import Any
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RUN_ID = re.compile(r"Successfully started run (\d+)")  # what `flwr run` prints once a run is submitted
+
+
+def strip_colours(text: str) -> str:
+    """Flower's log lines without their terminal colour codes."""
+    return ANSI.sub("", text)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...);
+    None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+
+
+def alive(pid: int) -> bool:
+    """A live process with that id (a zombie is dead)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
 
 def _proc_table() -> dict[int, tuple[str, int, int]]:
     """pid -> (state, ppid, session id) of every visible process."""
     table = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
             table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
     return table
 

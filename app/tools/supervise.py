@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -29,13 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.tools.processes import flwr_cli, parse_flwr_json
+from app.tools.processes import RUN_ID, flwr_cli, parse_flwr_json, strip_colours
 
 log = logging.getLogger("flwr.fedgpu.supervise")
 
 APP_DIR = Path(__file__).resolve().parents[2]
-RUN_ID = re.compile(r"Successfully started run (\d+)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ALREADY_COMPLETE = "already complete"
 
 
@@ -52,46 +49,36 @@ class Flwr:
         self.superlink, self.env, self.app_dir = superlink, env, app_dir
 
     def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        connection = [self.superlink] if self.superlink else []
         return subprocess.run(
-            [flwr_cli(), *args, *connection],
-            env=self.env,
-            cwd=self.app_dir,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            [flwr_cli(), *args], env=self.env, cwd=self.app_dir, capture_output=True, text=True, timeout=timeout
         )
+
+    @property
+    def _connection(self) -> list[str]:
+        return [self.superlink] if self.superlink else []
 
     def submit(self, run_config: str, federation_config: str | None) -> tuple[str | None, str]:
         """(run id, output) of `flwr run APP [SUPERLINK] --run-config ...`."""
         fed = ["--federation-config", federation_config] if federation_config else []
-        connection = [self.superlink] if self.superlink else []
-        proc = subprocess.run(
-            [flwr_cli(), "run", str(self.app_dir), *connection, "--run-config", run_config, *fed],
-            env=self.env,
-            cwd=self.app_dir,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        out = ANSI.sub("", proc.stdout + proc.stderr)
+        proc = self._cli("run", str(self.app_dir), *self._connection, "--run-config", run_config, *fed, timeout=600)
+        out = strip_colours(proc.stdout + proc.stderr)
         match = RUN_ID.search(out)
         return (match.group(1) if match else None), out
 
     def status(self, run_id: str) -> str:
         """Flower's status of the run ("running", "finished:completed", ...); "" when unknown."""
-        proc = self._cli("list", "--run-id", run_id, "--format", "json", timeout=60)
+        proc = self._cli("list", "--run-id", run_id, "--format", "json", *self._connection, timeout=60)
         try:
             return str((parse_flwr_json(proc.stdout).get("runs") or [{}])[0].get("status", ""))
         except ValueError:
             return ""
 
     def logs(self, run_id: str) -> str:
-        proc = self._cli("log", run_id, "--show", timeout=60)
-        return ANSI.sub("", proc.stdout)
+        proc = self._cli("log", run_id, "--show", *self._connection, timeout=60)
+        return strip_colours(proc.stdout)
 
     def stop(self, run_id: str) -> None:
-        self._cli("stop", run_id, timeout=60)
+        self._cli("stop", run_id, *self._connection, timeout=60)
 
 
 def with_resume(overrides: str) -> str:

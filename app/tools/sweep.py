@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -40,15 +39,13 @@ from app.config.compose import CONF_DIR, to_typed
 from app.config.schema import ConfigError
 from app.config.validate import validate
 from app.run.results import read_summary
-from app.tools.processes import flwr_cli, free_ports, parse_flwr_json, stop_processes
+from app.tools.processes import RUN_ID, flwr_cli, free_ports, parse_flwr_json, stop_processes, strip_colours
 
 log = logging.getLogger(__name__)
 
 APP_DIR = CONF_DIR.parent  # what `flwr run` packs
 JOB_FILE = "job.json"
 RESERVED_KEYS = ("name", "resume")  # the sweep sets them: each job is its own named, resumable run
-RUN_ID = re.compile(r"Successfully started run (\d+)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Where the per-job FLWR_HOMEs go (default: the temp dir, which is node-local on clusters:
 # the SuperLink's sqlite state does not belong on NFS).
 HOME_ROOT_ENV = "FEDGPU_FLWR_HOME_ROOT"
@@ -207,7 +204,7 @@ def run_in_simulation(job_dir: Path, sweep_root: Path, overrides: list[str], fed
                 proc.kill()
                 proc.wait()
                 result["error"] = f"timeout: the run did not finish within sweep.timeout_s={timeout_s:g} s"
-        text = ANSI.sub("", log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1])
+        text = strip_colours(log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1])
         match = RUN_ID.search(text)
         if match is None:
             result["error"] = result["error"] or "flwr run did not start a run: " + text.strip()[-2000:]
