@@ -130,6 +130,10 @@ class FedAvg(Strategy):
         # The longest a round waits for those nodes; then it goes on with fewer if the strategy can,
         # else stops the run (strategies/node_wait.py). Set by the app from federation.round_wait_timeout_s.
         self.round_wait_timeout_s = 300.0
+        # Node sampling draws from this generator, seeded by the app, never from the global `random`:
+        # Flower's heartbeat and retry threads draw from that at moments that depend on timing, so
+        # a run's cohorts (and FedBuff's task numbers, hence the nodes' seeds) would too.
+        self.sampler = random.Random(0)
         self.seen: set[int] = set()  # nodes sampled so far: the missing ones are named while waiting
         self.message_ttl_s = message_ttl_s
         self.device = torch.device(device)
@@ -239,7 +243,7 @@ class FedAvg(Strategy):
             self.seen,
         )
         self.seen.update(nodes)
-        return random.sample(nodes, min(wanted, len(nodes)))
+        return self.sampler.sample(nodes, min(wanted, len(nodes)))
 
     def fewest_nodes(self, minimum: int) -> int:
         """The smallest training cohort a round can go on with: `minimum`, or more for a rule that

@@ -191,6 +191,7 @@ class FedBuff(Strategy):
         self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.run.federation
         self.unpack: Unpack | None = None  # as FedAvg.unpack: a compressed uplink's decoder
         self.downlink: Downlink | None = None  # as FedAvg.downlink: how tasks carry the model
+        self.sampler = random.Random(0)  # as FedAvg.sampler: which idle nodes get tasks, seeded by the app
         self.version = 0
         self.tasks_sent = 0
         self.discarded_total = 0
@@ -299,7 +300,7 @@ class FedBuff(Strategy):
         limit = self.concurrency or len(idle) + len(busy)
         free = min(len(idle), limit - len(self.in_flight))
         messages = []
-        for node in random.sample(idle, free) if free > 0 else []:
+        for node in self.sampler.sample(idle, free) if free > 0 else []:
             self.tasks_sent += 1
             extra = self.node_config(node, connected) if self.node_config is not None else {}  # as FedAvg.node_config
             sent = arrays

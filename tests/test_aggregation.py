@@ -102,3 +102,25 @@ def test_messages_carry_ttl_round_and_config():
     assert len(msgs) == 3 and {m.metadata.dst_node_id for m in msgs} == set(grid.get_node_ids())
     assert all(m.metadata.ttl == 123.0 and m.metadata.group_id == "4" for m in msgs)
     assert msgs[0].content["config"]["server-round"] == 4
+
+
+def test_cohorts_come_from_the_strategys_seeded_sampler_not_the_global_random():
+    """Flower's heartbeat and retry threads draw from the global `random` when the host's timing
+    says so: two runs with the same seed must sample the same cohorts whatever else drew from it."""
+    import random
+
+    from app.simulation.local_grid import InProcessGrid
+
+    grid = InProcessGrid(lambda m, c: m, num_nodes=10)
+    cohorts = []
+    for extra_draws in (0, 3):
+        strategy = FedAvg(min_train_nodes=1, min_available_nodes=1)
+        strategy.sampler.seed(7)
+        picks = []
+        for _ in range(5):
+            for _ in range(extra_draws):
+                random.random()
+            picks.append(strategy.select_nodes(grid, 0.3, 1, "train"))
+        cohorts.append(picks)
+    assert cohorts[0] == cohorts[1]
+    assert len({tuple(p) for p in cohorts[0]}) > 1  # the sampler does draw: cohorts change round to round

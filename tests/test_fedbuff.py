@@ -269,6 +269,28 @@ def test_configure_train_fills_idle_nodes_up_to_the_concurrency(rng):
     assert len(set(tasks)) == 2 and all(m.content["config"]["server-round"] == 0 for m in messages)
 
 
+def test_which_node_gets_which_task_number_ignores_the_global_random(rng):
+    """The task number seeds the node's training, so it must follow the strategy's seeded
+    sampler, not the global `random` that Flower's heartbeat thread draws from on its own time."""
+    import random
+
+    grid = InProcessGrid(lambda msg, ctx: msg, num_nodes=6)
+    runs = []
+    for extra_draws in (0, 5):
+        s = _strategy()
+        s.sampler.seed(3)
+        _at_versions(s, {0: _model(rng)})
+        for _ in range(extra_draws):
+            random.random()
+        runs.append(
+            [
+                (m.metadata.dst_node_id, m.content["config"]["task"])
+                for m in s.configure_train(0, s.arrays, ConfigRecord(), grid)
+            ]
+        )
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+
+
 def test_a_node_that_joins_later_gets_work_on_the_next_pass(rng):
     grid = InProcessGrid(lambda msg, ctx: msg, num_nodes=2)
     s = _strategy()

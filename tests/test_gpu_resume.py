@@ -186,12 +186,24 @@ def test_cpu_rng_round_trips_through_a_checkpoint_file(monkeypatch, tmp_path):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
+    sampler = random.Random(4)  # a strategy's node sampler
     path = tmp_path / "checkpoint.pt"
-    save_checkpoint(path, Checkpoint({"w": torch.zeros(1)}, 1, {}, capture_rng(), 1.0))
+    save_checkpoint(path, Checkpoint({"w": torch.zeros(1)}, 1, {}, capture_rng(sampler), 1.0))
 
     def draw() -> tuple:
-        return random.random(), np.random.normal(), torch.rand(2).tolist()
+        return random.random(), np.random.normal(), torch.rand(2).tolist(), sampler.random()
 
     first = draw()
-    restore_rng(load_checkpoint(path).rng)
+    restore_rng(load_checkpoint(path).rng, sampler)
     assert draw() == first
+
+
+def test_a_checkpoint_from_before_the_sampler_gives_it_the_global_random_state(tmp_path):
+    """Strategies drew from the global `random` before they had a sampler: its saved state is
+    what they continue from."""
+    random.seed(5)
+    rng = capture_rng()
+    expected = random.random()
+    sampler = random.Random(0)
+    restore_rng(rng, sampler)
+    assert "sampler" not in rng and sampler.random() == expected

@@ -370,11 +370,13 @@ def test_server_crashes_then_resume_auto_gives_an_uninterrupted_runs_rounds_and_
     with loopback_federation(tmp_path, secure=True) as fed:
         nodes = [fed.pids[f"node-{i}"] for i in range(fed.num_nodes)]
         run = fed.submit(overrides, out)
-        wait_until(lambda: rounds(run), 180.0, "round 1", interval=0.5)
+        wait_until(lambda: rounds(run), 180.0, "round 1", interval=0.1)
         for pid in nodes:  # paused: round 2's tasks wait in the SuperLink for them
             os.killpg(pid, signal.SIGSTOP)
         try:
-            queued = wait_until(lambda: _queued_tasks(fed, run.run_id), 60.0, "round 2's tasks in the SuperLink")
+            # Flower stores a round's tasks one by one: wait for all three, not the first
+            wait_until(lambda: _queued_tasks(fed, run.run_id) >= 3, 60.0, "round 2's three tasks in the SuperLink")
+            queued = _queued_tasks(fed, run.run_id)
             fed.kill_serverapp()
             _killpg(run.proc.pid)
             flwr = Flwr(CONNECTION, env=fed.env("cli"), app_dir=ROOT)

@@ -1,8 +1,8 @@
 """Checkpoints: everything needed to continue a run exactly where it stopped.
 
 One file per run (`checkpoint.pt`), replaced atomically after every round: model
-arrays, the round just finished, strategy state, RNG states (Python's `random` drives
-Flower's node sampling; NumPy and torch for the rest) and the run's elapsed time.
+arrays, the round just finished, strategy state, RNG states (the strategy's node sampler;
+Python's, NumPy's and torch's global ones for the rest) and the run's elapsed time.
 Loaded with `weights_only=True`, so a checkpoint cannot execute code.
 """
 
@@ -33,7 +33,8 @@ class Checkpoint:
     run_state: dict[str, Any] = field(default_factory=dict)  # the run's own (e.g. local-DP histories per node)
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_rng(sampler: random.Random | None = None) -> dict[str, Any]:
+    """The global RNG states, and `sampler`'s (a strategy's node sampler) when given."""
     np_state = np.random.get_state(legacy=False)
     rng: dict[str, Any] = {
         "python": random.getstate(),
@@ -45,14 +46,21 @@ def capture_rng() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
+    if sampler is not None:
+        rng["sampler"] = sampler.getstate()
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
 
 
-def restore_rng(rng: dict[str, Any]) -> None:
+def restore_rng(rng: dict[str, Any], sampler: random.Random | None = None) -> None:
+    """Set the global RNG states, and `sampler`'s when given (from a checkpoint made before the
+    strategies had their own sampler: the global `random` state, which they drew from then)."""
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
+    if sampler is not None:
+        version, state, gauss = rng.get("sampler", rng["python"])
+        sampler.setstate((version, tuple(state), gauss))
     n = rng["numpy"]
     np.random.set_state(
         {
@@ -68,7 +76,7 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
 def restore_cuda_rng(states: list[torch.Tensor]) -> None:
     """Set the saved CUDA RNG states of the devices this process sees; never raise on a count mismatch."""
-    # Dropping states is safe: the server's strategies draw only from Python's `random` and CPU generators.
+    # Dropping states is safe: the server's strategies draw only from their samplers and CPU generators.
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i, state in enumerate(states[:count]):
         torch.cuda.set_rng_state(state, device=i)

@@ -146,13 +146,14 @@ class FederatedRun:
         self.task = Task.from_config(cfg.task, spec)  # the loss and metrics of central evaluation
 
         torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)  # Flower's node sampling (and FedBuff's) draws from Python's `random`
+        random.seed(cfg.seed)  # for user code (a model factory may draw from it); strategies have their own
         self.model = global_model(cfg, spec, model_inputs(self.test_data.x[:2], self.precision))
         # The strategy aggregates the trainable tensors only (`self.arrays`); the frozen ones
         # travel with every task (`strategy.frozen`) and are never aggregated.
         self.trainable = trainable_keys(self.model, cfg.model.trainable)
         self.arrays, self.frozen = self.split(self.model.state_dict())
         self.strategy = build_strategy(cfg, self.device)
+        self.strategy.sampler.seed(cfg.seed)
         self.strategy.frozen = self.frozen
         self.strategy.round_wait_timeout_s = cfg.federation.round_wait_timeout_s
         self.strategy.unpack = self.unpack = uplink_decoder(cfg.compression)
@@ -179,7 +180,7 @@ class FederatedRun:
             self.arrays, self.frozen = self.split(ckpt.state_dict)
             self.strategy.frozen = self.frozen
             self.strategy.load_state_dict(ckpt.strategy_state)
-            restore_rng(ckpt.rng)
+            restore_rng(ckpt.rng, self.strategy.sampler)
             self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
             run_state = ckpt.run_state
             if "local_dp_history" in run_state:  # a checkpoint from before HistoryLedger: histories only
@@ -369,7 +370,7 @@ class FederatedRun:
                 state if state is not None else self.full_state(self.arrays),
                 rnd,
                 self.strategy.state_dict(),
-                capture_rng(),
+                capture_rng(self.strategy.sampler),
                 wall_time_s,
                 run_state=self.privacy.state(),
             ),
