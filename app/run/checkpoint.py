@@ -53,14 +53,18 @@ def capture_rng(sampler: random.Random | None = None) -> dict[str, Any]:
     return rng
 
 
+def _python_state(saved: tuple) -> tuple:
+    """A saved `random.getstate()` as `setstate` takes it (the middle part may come back a list)."""
+    version, state, gauss = saved
+    return version, tuple(state), gauss
+
+
 def restore_rng(rng: dict[str, Any], sampler: random.Random | None = None) -> None:
     """Set the global RNG states, and `sampler`'s when given (from a checkpoint made before the
     strategies had their own sampler: the global `random` state, which they drew from then)."""
-    version, state, gauss = rng["python"]
-    random.setstate((version, tuple(state), gauss))
+    random.setstate(_python_state(rng["python"]))
     if sampler is not None:
-        version, state, gauss = rng.get("sampler", rng["python"])
-        sampler.setstate((version, tuple(state), gauss))
+        sampler.setstate(_python_state(rng.get("sampler", rng["python"])))
     n = rng["numpy"]
     np.random.set_state(
         {
