@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+from strategies.node_text import is_plain, printable
 from strategies.tensor_ops import TensorDict, array_view, is_finite
 from strategies.wire import NUM_EXAMPLES, PARTITION_ID
 
@@ -72,8 +73,22 @@ WeightCap = Callable[[int, MetricRecord, str], float]
 that reply may count for. It may raise InvalidReply (a contradictory partition claim)."""
 
 
+# A reason quotes what the node sent (keys, values, its error text): escaped and bounded, so that
+# it can be logged and stored as it stands (strategies/node_text.py).
+MAX_REASON = 2000
+MAX_METRIC_NAME = 100
+
+
 class InvalidReply(ValueError):
     """Why one reply cannot be used."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(printable(reason, MAX_REASON))
+
+
+def error_text(error: Error) -> str:
+    """An error reply as one safe line: its code, and its reason as `printable` makes it."""
+    return f"error reply (code {error.code}): {printable(error.reason)}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,9 @@ class ValidReply:
 class Rejection:
     node_id: int
     reason: str
+
+    def __post_init__(self) -> None:
+        self.reason = printable(self.reason, MAX_REASON)
 
 
 @dataclass
@@ -223,10 +241,15 @@ def screen_reply(
     `weight_cap` bounds the claimed example count. `unpack` and `base`: see check_arrays.
     """
     if msg.has_error():
-        raise InvalidReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
+        raise InvalidReply(error_text(msg.error))
     node = msg.metadata.src_node_id if node is None else node
     content = msg.content
     metrics = _only_record(content.metric_records, "MetricRecord")
+    for key in metrics:  # a metric's name becomes a column in metrics.jsonl, TensorBoard and MLflow
+        if len(key) > MAX_METRIC_NAME or not is_plain(key):
+            raise InvalidReply(
+                f"metric name '{printable(key, 40)}' is over {MAX_METRIC_NAME} characters or holds control characters"
+            )
     kind = MessageType.TRAIN if specs is not None else MessageType.EVALUATE
     weight = capped_weight(reply_weight(metrics, weight_key), node, metrics, kind, weight_cap)
     arrays = (

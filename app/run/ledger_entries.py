@@ -15,6 +15,7 @@ from flwr.app import Message, MetricRecord
 
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
+from strategies.node_text import printable
 from strategies.replies import arrays_digest
 from strategies.wire import NUM_EXAMPLES
 
@@ -56,7 +57,7 @@ def round_nodes(messages: list[Message], replies: list[Message], report: RoundRe
         if reply is None:
             record["outcome"] = "missing"
         elif reply.has_error():
-            record["outcome"] = f"failed: {reply.error.reason}"
+            record["outcome"] = f"failed: {printable(reply.error.reason)}"
         else:
             arrays = list(reply.content.array_records.values())
             if len(arrays) == 1:

@@ -46,6 +46,7 @@ from flwr.serverapp import Grid
 
 from app.config.schema import ConfigError
 from app.simulation.fleet import NodeProfile
+from strategies.node_text import printable
 from strategies.replies import payload_bytes
 from strategies.wire import PARTITION_ID
 
@@ -288,7 +289,7 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
             records = [] if reply.has_error() else list(reply.content.metric_records.values())
             metrics = records[0] if records else MetricRecord()
             if PARTITION_ID not in metrics:
-                why = reply.error.reason if reply.has_error() else "it has no partition-id in its node config"
+                why = printable(reply.error.reason) if reply.has_error() else "it has no partition-id in its node config"
                 raise ConfigError(
                     f"fleet: node {node} is not a simulated node ({why}); fleet profiles and stragglers "
                     "simulate nodes under `flwr run` simulation: a deployment runs in real time (fleet=none "

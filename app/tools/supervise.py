@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.tools.processes import RUN_ID, flwr_cli, parse_flwr_json, strip_colours
+from strategies.node_text import printable
 
 log = logging.getLogger("flwr.fedgpu.supervise")
 
@@ -99,13 +100,13 @@ def follow(flwr: Flwr, run_id: str, stall_timeout_s: float, poll_s: float, echo:
         text = flwr.logs(run_id)
         if len(text) > seen:
             for line in text[seen:].splitlines():
-                echo(line)
+                echo(printable(line, limit=None))
             seen, progress = len(text), time.monotonic()
         status = flwr.status(run_id)
         if status.startswith("finished"):
             text = flwr.logs(run_id)  # the last lines
             for line in text[seen:].splitlines():
-                echo(line)
+                echo(printable(line, limit=None))
             if status == "finished:completed":
                 return ALREADY_COMPLETE if ALREADY_COMPLETE in text else "completed"
             return f"failed: Flower says {status}"
