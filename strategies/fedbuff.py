@@ -48,6 +48,7 @@ from strategies.replies import (
     ValidReply,
     WeightCap,
     arrays_digest,
+    error_text,
     payload_bytes,
     screen_reply,
     specs_of,
@@ -343,8 +344,8 @@ class FedBuff(Strategy):
         if self.downlink is not None:
             self.downlink.settle(node, not reply.has_error())
         if reply.has_error():
-            self.report.failed.append(Rejection(node, f"error reply (code {reply.error.code}): {reply.error.reason}"))
-            log.warning("node %s: training task failed: %s", node, reply.error.reason)
+            self.report.failed.append(Rejection(node, error_text(reply.error)))
+            log.warning("node %s: training task failed: %s", node, error_text(reply.error))
             return
         self.report.client_metrics += [(node, m) for m in reply.content.metric_records.values()]
         self.report.bytes_up.append(payload_bytes(reply.content))
