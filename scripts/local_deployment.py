@@ -14,10 +14,14 @@ state directory and writes its log there (`<name>/output.log`); `deployment.json
 the ports, process ids and node ids. `up` again restarts whatever is no longer running (a
 killed SuperNode rejoins with its key and data), and starts nothing twice.
 
-`down` stops exactly what `up` started: every process whose command line or environment
-names the state directory (the SuperLink's detached SuperExec and the per-run ServerApp and
-per-message ClientApp processes included), SIGTERM first. The state directory keeps the
-credentials, the SuperLink's database and the logs for the next `up`; `--purge` deletes it.
+`down` stops exactly what `up` started: the processes it spawned, each recorded with its
+process id, its start time (/proc/PID/stat field 22) and its command line and stopped only
+while all three still match (a recycled process id is someone else's), with the processes
+they started (their descendants and the members of their sessions: the SuperLink's detached
+SuperExec, the per-run ServerApps and per-message ClientApps), SIGTERM first. A process that
+merely has the state directory in its environment or as its working directory (a shell
+there) is not touched. The state directory keeps the credentials, the SuperLink's database
+and the logs for the next `up`; `--purge` deletes it.
 The state directory must lie outside any git work tree (or be ignored by git): it holds
 private keys. Run results land where the run's `output-dir` says (default ~/fedgpu-runs).
 `--insecure` drops TLS and node authentication (a first look only; never expose it).
@@ -26,16 +30,20 @@ private keys. Run results land where the run's `output-dir` says (default ~/fedg
 from __future__ import annotations
 
 import argparse
+import grp
 import json
 import os
+import pwd
 import re
 import shutil
+import signal
 import socket
 import string
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +54,7 @@ import credentials  # noqa: E402
 from export_partitions import export_partitions  # noqa: E402
 from register_nodes import register, wait_for_superlink  # noqa: E402
 
-from app.tools.processes import alive, flwr_cli, free_ports, parse_flwr_json, stop_processes, strip_colours  # noqa: E402
+from app.tools.processes import flwr_cli, free_ports, parse_flwr_json, strip_colours  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STATE_FILE = "deployment.json"
@@ -76,6 +84,150 @@ def tail(path: Path, chars: int = 4000) -> str:
         return f"<no {path}>"
 
 
+# ---------------------------------------------------------------------------- our processes, exactly
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the third on (state, ppid, pgrp, session, ...; field N is
+    index N - 3); None when there is no such process. The command name may hold spaces."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _cmdline(pid: int) -> str:
+    """The command line of `pid`, arguments joined by spaces ("" when unreadable or gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    state: str
+    ppid: int
+    sid: int
+    start: int  # clock ticks after boot: with the pid, a process's identity
+
+
+def _proc_table() -> dict[int, ProcInfo]:
+    """Every visible process (Linux /proc; elsewhere empty: nothing is found, nothing stopped)."""
+    table = {}
+    if Path("/proc").is_dir():
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (f := _stat_fields(int(entry))) is not None:
+                table[int(entry)] = ProcInfo(f[0], int(f[1]), int(f[3]), int(f[19]))
+    return table
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A process `up` started: its id, start time and command (program name and arguments).
+
+    `command` is checked as a substring of the live command line: a console script runs as
+    `python /path/to/flower-superlink ARGS`, and nginx's master rewrites its title to
+    `nginx: master process nginx ARGS`, both of which contain `flower-superlink ARGS` and
+    `nginx ARGS`."""
+
+    pid: int
+    start: int
+    command: str
+
+    @classmethod
+    def of(cls, pid: int, cmd: Sequence[str]) -> Spawned:
+        """The record of `pid`, just started with `cmd` (Popen returns after the exec)."""
+        fields = _stat_fields(pid)
+        if fields is None:
+            raise DeploymentError(f"{cmd[0]} (pid {pid}) is gone before its start time could be read")
+        return cls(pid, int(fields[19]), " ".join([Path(cmd[0]).name, *cmd[1:]]))
+
+    def matches(self, info: ProcInfo | None) -> bool:
+        """Is `info` (the live process with our pid) this very process, still running it?"""
+        return (
+            info is not None and info.state != "Z" and info.start == self.start
+            and self.command in _cmdline(self.pid)
+        )  # fmt: skip
+
+    def gone(self, info: ProcInfo | None) -> bool:
+        """Has this process ended (no process with its pid, or its own unreaped zombie)?"""
+        return info is None or (info.state == "Z" and info.start == self.start)
+
+
+def owned_processes(records: Iterable[Spawned]) -> set[int]:
+    """The live processes that belong to `records`: each recorded process that is still the one
+    recorded, the members of its session (started with it or after; Flower's SuperExecs and
+    the ServerApps and ClientApps they start stay in it, and so do the ones orphaned by a
+    crash), and all their descendants. A recorded pid that now names another process counts
+    for nothing, session included (its session members joined that other process). A session
+    whose leader has ended still counts: Linux does not hand out a pid while a session or group
+    still uses it as its id. Never this process or its ancestors; zombies are left out."""
+    table = _proc_table()
+    protected, pid = set(), os.getpid()
+    while pid > 1 and pid not in protected:
+        protected.add(pid)
+        pid = table[pid].ppid if pid in table else 1
+    found: set[int] = set()
+    sessions: dict[int, int] = {}  # session id -> the earliest start time of its members
+    for rec in records:
+        info = table.get(rec.pid)
+        if rec.matches(info):
+            found.add(rec.pid)
+        elif not rec.gone(info):
+            continue  # the pid is someone else's now
+        sessions[rec.pid] = rec.start
+    found |= {p for p, i in table.items() if i.sid in sessions and i.start >= sessions[i.sid]}
+    while children := {p for p, i in table.items() if i.ppid in found} - found:
+        found |= children
+    return {p for p in found - protected if table[p].state != "Z"}
+
+
+def stop_owned(records: Iterable[Spawned], grace_s: float = 0.0) -> None:
+    """SIGTERM what belongs to `records` for up to `grace_s`, then SIGKILL; DeploymentError
+    naming any process that survives."""
+    records = list(records)
+
+    def signal_all(pids: set[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    deadline = time.monotonic() + grace_s
+    while (pids := owned_processes(records)) and time.monotonic() < deadline:
+        signal_all(pids, signal.SIGTERM)
+        time.sleep(0.5)
+    for _ in range(10):
+        if not (pids := owned_processes(records)):
+            return
+        signal_all(pids, signal.SIGKILL)
+        time.sleep(0.2)
+    if left := {p: _cmdline(p)[:160] for p in owned_processes(records)}:
+        raise DeploymentError(f"processes survived SIGKILL: {left}")
+
+
+def nginx_worker_user() -> str | None:
+    """The `user` directive's value for nginx's workers when we are root (else None: the
+    workers run as we do): Debian's www-data when it exists, else nobody, each with its own
+    primary group. Never root: a worker parses what strangers send."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("www-data", "nobody"):
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        try:
+            group = grp.getgrgid(entry.pw_gid).gr_name
+        except KeyError:
+            group = str(entry.pw_gid)
+        return f"{name} {group}"
+    raise DeploymentError("nginx runs as root here and needs an unprivileged user for its workers: add www-data")
+
+
 class Deployment:
     """A SuperLink, its SuperExec and `num_nodes` SuperNodes on 127.0.0.1, state under `root`.
 
@@ -103,7 +255,8 @@ class Deployment:
         self.port = port or free_ports(1)[0]
         self.node_ports = free_ports(num_nodes)
         self.fleet_port = free_ports(1)[0] if edge else self.port
-        self.pids: dict[str, int] = {}
+        self.pids: dict[str, int] = {}  # name -> process id (`procs` holds what identifies each)
+        self.procs: dict[str, Spawned] = {}
         self.node_ids: list[int] = []
 
     # ------------------------------------------------------------------ state on disk
@@ -121,7 +274,8 @@ class Deployment:
         state = {
             "num_nodes": self.num_nodes, "secure": self.secure, "edge": self.edge, "port": self.port,
             "node_ports": self.node_ports, "fleet_port": self.fleet_port, "node_ids": self.node_ids,
-            "pids": self.pids, "data_paths": [str(p) for p in self.data_paths] if self.data_paths else None,
+            "pids": self.pids, "processes": {name: asdict(rec) for name, rec in self.procs.items()},
+            "data_paths": [str(p) for p in self.data_paths] if self.data_paths else None,
         }  # fmt: skip
         (self.root / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -137,17 +291,26 @@ class Deployment:
         fed = cls(root, state["num_nodes"], state["secure"], data and [Path(p) for p in data], state["edge"])
         fed.port, fed.node_ports, fed.fleet_port = state["port"], state["node_ports"], state["fleet_port"]
         fed.node_ids, fed.pids = state["node_ids"], state["pids"]
+        fed.procs = {name: Spawned(**rec) for name, rec in state.get("processes", {}).items()}
         return fed
 
     def running(self) -> dict[str, bool]:
-        """Each recorded long-running process: alive or not."""
-        return {name: alive(pid) for name, pid in self.pids.items()}
+        """Each recorded long-running process: still the very process `up` started, or not (a
+        process id without its record, from an older version of this script, counts as not)."""
+        table = _proc_table()
+        return {
+            name: name in self.procs and self.procs[name].matches(table.get(pid)) for name, pid in self.pids.items()
+        }
+
+    def stop(self, names: Iterable[str], grace_s: float = 0.0) -> None:
+        """Stop the recorded processes `names` with what they started (`owned_processes`)."""
+        stop_owned([self.procs[n] for n in names if n in self.procs], grace_s)
 
     # ------------------------------------------------------------------ processes
 
     def env(self, home: str) -> dict[str, str]:
-        """Environment of every process: a private FLWR_HOME under the state directory (also
-        the marker `down` finds it by), nothing installed from the network."""
+        """Environment of every process: a private FLWR_HOME under the state directory,
+        nothing installed from the network."""
         path = self.root / home
         path.mkdir(parents=True, exist_ok=True)
         return {
@@ -173,6 +336,7 @@ class Deployment:
             )  # fmt: skip
         if home != "cli":  # recorded at once: `down` must find it even if `up` fails later
             self.pids[home] = proc.pid
+            self.procs[home] = Spawned.of(proc.pid, cmd)
             self.save()
         return proc, log
 
@@ -258,10 +422,18 @@ class Deployment:
             'log_format edge \'$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent '
             '"$http_referer" "$http_user_agent" upstream=$upstream_addr\';'
         )
+        # Run as root, nginx's workers (which parse what strangers send) drop to an unprivileged
+        # user. The master reads the configuration, the certificates and the key and opens the logs
+        # before that, as root; the workers only need to hold request bodies, which they could not
+        # write into a state directory only its owner may enter: bodies are kept in memory up to
+        # the template's cap (bigger ones are refused with 413 anyway), so they never touch disk.
+        user = nginx_worker_user()
+        cap = re.search(r"^\s*client_max_body_size\s+(\S+);", template, re.M)
         (home / "nginx.conf").write_text(
-            ("user root;\n" if os.geteuid() == 0 else "")  # workers must read the state directory
+            (f"user {user};\n" if user else "")
             + f"pid {home / 'nginx.pid'};\nerror_log {home / 'logs' / 'error.log'} info;\nevents {{}}\n"
             + f"http {{\n {log_format}\n access_log {home / 'logs' / 'access.log'} edge;\n {temp}\n"
+            + (f" client_body_buffer_size {cap.group(1)};\n" if cap and cap.group(1) != "0" else "")
             + f" include {home / 'fleet-edge.conf'};\n}}\n"
         )
         proc, log = self.spawn("edge", ["nginx", "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"])
@@ -336,8 +508,7 @@ class Deployment:
         started = []
         if not running.get("superlink"):
             if self.pids:  # a restart: nothing of the old server side may linger
-                for home in ("superlink", "superexec"):
-                    stop_processes(str(self.root / home), grace_s=5.0)
+                self.stop(["superlink", "superexec"], grace_s=5.0)
             self.start_superlink()
             started += ["superlink", "superexec"] if self.secure else ["superlink"]
         if self.edge and not running.get("edge"):
@@ -349,7 +520,7 @@ class Deployment:
         self.node_ids += [0] * (self.num_nodes - len(self.node_ids))
         for i in range(self.num_nodes):
             if not running.get(f"node-{i}"):
-                stop_processes(str(self.root / f"node-{i}"))  # a crashed node's SuperExec and ClientApps
+                self.stop([f"node-{i}"])  # a crashed node's SuperExec and ClientApps (its session)
                 self.start_node(i)
                 started.append(f"node-{i}")
         self.save()
@@ -362,13 +533,21 @@ class Deployment:
         nodes = [f"node-{i}" for i in range(self.num_nodes)]
         return [*nodes, *sorted({*self.pids, "edge", "superexec", "superlink"} - {*nodes, "superlink"}), "superlink"]
 
-    def down(self, grace_s: float = 10.0) -> None:
-        """Stop every process started for this state directory (SIGTERM, then SIGKILL), with
-        what they spawned (the SuperLink's detached SuperExec, ServerApps, ClientApps)."""
+    def down(self, grace_s: float = 10.0) -> list[str]:
+        """Stop every process `up` started here (SIGTERM, then SIGKILL), with what they spawned
+        (the SuperLink's detached SuperExec, ServerApps, ClientApps): only while each is still
+        the process recorded (`Spawned`). Returns a warning per recorded process id that could
+        not be checked (recorded by an older version of this script) and was left alone."""
         for home in self.homes():
-            stop_processes(str(self.root / home), grace_s=grace_s)
-        self.pids = {}
+            self.stop([home], grace_s=grace_s)
+        unchecked = [
+            f"{name} (pid {pid}) was recorded without its start time (an older local_deployment.py): "
+            "left alone; stop it yourself if it is still the stack's"
+            for name, pid in self.pids.items() if name not in self.procs
+        ]  # fmt: skip
+        self.pids, self.procs = {}, {}
         self.save()
+        return unchecked
 
     def status(self) -> str:
         """A few lines for a person: processes, nodes online, how to submit a run."""
@@ -445,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"started: {', '.join(started) or 'nothing (all running)'}", flush=True)
         elif args.command == "down":
             fed = Deployment.load(root)
-            fed.down()
+            for warning in fed.down():
+                print(f"warning: {warning}", file=sys.stderr)
             print(f"stopped everything under {root}")
             if args.purge:
                 shutil.rmtree(root)

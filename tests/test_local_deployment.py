@@ -1,12 +1,18 @@
-"""scripts/local_deployment.py without starting anything: bad input is refused before any
-work, and the state it records is what `status`/`down` read back. (The stack itself, up and
-down: tests/test_superlink_loopback.py.)"""
+"""scripts/local_deployment.py without starting Flower: bad input is refused before any work,
+the state it records is what `status`/`down` read back, `down` stops exactly the processes it
+recorded (stand-ins here), and the edge's nginx workers are not root. (The stack itself, up
+and down: tests/test_superlink_loopback.py.)"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import ssl
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers import load_script
@@ -80,3 +86,127 @@ def test_an_edge_needs_tls_and_each_node_a_file() -> None:
         local_deployment.Deployment(Path("/tmp/x"), 1, secure=False, edge=True)
     with pytest.raises(local_deployment.DeploymentError, match="one per node"):
         local_deployment.Deployment(Path("/tmp/x"), 2, data_paths=[Path("/tmp/a.npz")])
+
+
+def _start_stranger(cmd: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    """A process `up` did not start, in a session of its own (like a user's shell)."""
+    return subprocess.Popen(
+        cmd, cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat from field 3 on (state, ppid, pgrp, session, ...: field N at index N - 3)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _processes() -> dict[int, list[str]]:
+    table = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            table[int(entry)] = _stat(int(entry))
+        except OSError:
+            pass
+    return table
+
+
+def _running(pid: int) -> bool:
+    """A live process (not a zombie: the killed children of this test are not reaped at once)."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_down_stops_exactly_what_up_started_and_never_a_process_that_merely_names_the_state_directory(
+    tmp_path: Path,
+) -> None:
+    """Stand-ins for the stack, spawned as `up` spawns (own session, recorded): one process, one
+    with two children, one whose child outlives it in its session (a crashed SuperNode's
+    SuperExec). Next to them: a shell-like process with its working directory and FLWR_HOME in
+    the state directory, and two recorded process ids that are no longer what was recorded: a
+    pid with another start time (recycled) and one whose command line differs. `down` stops
+    the stand-ins and everything they started, and leaves the other three alone."""
+    state = tmp_path / "state"
+    fed = local_deployment.Deployment(state, 1, secure=True, data_paths=[tmp_path / "a.npz"])
+    strangers: list[subprocess.Popen] = []
+    ours: list[subprocess.Popen] = []
+    try:
+        ours.append(fed.spawn("superlink", ["sleep", "300"])[0])
+        ours.append(fed.spawn("node-0", ["sh", "-c", "sleep 301 & sleep 302 & wait"])[0])
+        orphaning = fed.spawn("superexec", ["sh", "-c", "sleep 303 & exit 0"])[0]
+        ours.append(orphaning)
+        orphaning.wait(timeout=10)  # gone (and reaped); its child lives on in its session
+
+        def started_by_ours() -> set[int]:
+            sessions = {p.pid for p in ours}
+            return {p for p, f in _processes().items() if int(f[3]) in sessions and p not in sessions and f[0] != "Z"}
+
+        kids = local_deployment.wait_until(lambda: len(k := started_by_ours()) == 3 and k, 10.0, "the children")
+        home = state / "superlink"
+        shell = _start_stranger(["sleep", "310"], home, PWD=str(home), FLWR_HOME=str(home), STATE=str(state))
+        recycled = _start_stranger(["sleep", "311"], tmp_path, FLWR_HOME=str(state / "edge"))
+        renamed = _start_stranger(["sleep", "312"], tmp_path, FLWR_HOME=str(state / "other"))
+        strangers += [shell, recycled, renamed]
+        recorded = json.loads((state / local_deployment.STATE_FILE).read_text())
+        for name, proc, start_shift, command in [("edge", recycled, -1, "sleep 311"), ("other", renamed, 0, "nginx")]:
+            recorded["pids"][name] = proc.pid
+            recorded.setdefault("processes", {})[name] = {
+                "pid": proc.pid, "start": int(_stat(proc.pid)[19]) + start_shift, "command": command,
+            }  # fmt: skip
+        (state / local_deployment.STATE_FILE).write_text(json.dumps(recorded))
+
+        back = local_deployment.Deployment.load(state)
+        seen = back.running()
+        back.down(grace_s=5.0)
+        alive = {name: _running(p.pid) for name, p in [("shell", shell), ("recycled", recycled), ("renamed", renamed)]}
+    finally:
+        for proc in strangers + ours:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert alive == {"shell": True, "recycled": True, "renamed": True}, alive
+    assert not any(_running(p) for p in kids | {p.pid for p in ours}), "a process `up` started outlived `down`"
+    assert seen == {"superlink": True, "node-0": True, "superexec": False, "edge": False, "other": False}, seen
+    assert local_deployment.Deployment.load(state).pids == {}
+
+
+def _uids(pid: int) -> list[int]:
+    """Real, effective, saved and filesystem uid of `pid` (/proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return [int(u) for u in line.split()[1:]]
+    raise AssertionError(f"no Uid line for pid {pid}")
+
+
+def test_the_edges_nginx_workers_run_as_an_unprivileged_user(tmp_path: Path) -> None:
+    """Run as root, `up --edge` starts nginx whose workers (the processes that parse strangers'
+    requests) drop root. They still serve from a state directory only root may enter: a 1 MiB
+    body (over nginx's 16 KiB in-memory default, once spilled to a temporary file there) reaches
+    the proxy step and gets 502 (no SuperLink behind it), not a 500."""
+    if shutil.which("nginx") is None:
+        pytest.skip("nginx is not installed (apt-get install nginx; .ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("not running as root: nginx's workers run as this (unprivileged) user already")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    fed = local_deployment.Deployment(state, 0, secure=True, edge=True)
+    try:
+        fed._make_credentials()
+        fed.start_edge()
+        master = fed.pids["edge"]
+        workers = local_deployment.wait_until(
+            lambda: {p for p, f in _processes().items() if int(f[1]) == master}, 10.0, "nginx's worker processes"
+        )
+        uids = {p: _uids(p) for p in workers}
+        url = f"https://127.0.0.1:{fed.fleet_port}/v1/fleet/push-object"
+        with httpx.Client(verify=ssl.create_default_context(cafile=fed.creds / "ca.crt"), timeout=60) as client:
+            status = client.post(url, content=b"x" * (1 << 20), headers={"content-type": "application/protobuf"})
+        error_log = (state / "edge" / "logs" / "error.log").read_text()
+    finally:
+        fed.close()
+    assert _uids(os.getpid())[0] == 0 and uids, uids
+    assert all(0 not in ids for ids in uids.values()), f"nginx workers with uid 0: {uids}"
+    assert status.status_code == 502, (status.status_code, error_log[-2000:])
+    assert "Permission denied" not in error_log, error_log[-2000:]
