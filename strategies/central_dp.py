@@ -56,13 +56,13 @@ from flwr.serverapp import Grid
 from opacus.accountants import RDPAccountant
 
 from strategies.fedavg import FedAvg
-from strategies.fedbuff import FedBuff
+from strategies.fedbuff import BufferStep, FedBuff
 from strategies.node_wait import wait_for_nodes
 from strategies.opacus_logging import remove_opacus_root_handler
-from strategies.replies import Screened, WeightCap
+from strategies.replies import Rejection, Screened, ValidReply, WeightCap, reject
 from strategies.robust_ops import apply_update, float_keys
 from strategies.staleness import StalenessFn
-from strategies.tensor_ops import TensorDict, is_finite
+from strategies.tensor_ops import TensorDict, is_finite, non_finite_keys
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
@@ -91,9 +91,12 @@ def clip_update(update: TensorDict, clip: float) -> tuple[TensorDict, float]:
 
 def require_finite(tensors: TensorDict, what: str) -> TensorDict:
     """`tensors` unchanged, or NonFiniteRelease naming the keys with NaN or Inf."""
-    if bad := [k for k, t in tensors.items() if t.is_floating_point() and not is_finite(t)]:
+    if bad := non_finite_keys(tensors):
         raise NonFiniteRelease(f"{what} has NaN or Inf in {bad}: not released")
     return tensors
+
+
+NON_FINITE_UPDATE = "its update (model - base) is non-finite in float32 (NaN or Inf): left out of the release"
 
 
 def combined_noise_multiplier(
@@ -208,6 +211,7 @@ class CentralDP:
         like: TensorDict,
         expected_cohort: float,
         scales: Sequence[float] | None = None,
+        refused: list[int] | None = None,
     ) -> TensorDict:
         """(Σ sᵢ·clip(Δᵢ) + N(0, (zC)²)) / m, with m the expected cohort; accounted.
 
@@ -217,6 +221,12 @@ class CentralDP:
         current global model). Integer tensors (BatchNorm counters) are not released:
         they come back as zeros (no change). A non-finite `like` or result raises
         NonFiniteRelease before the accountant is charged.
+
+        With `refused` (a list the caller names the nodes from), an update holding NaN or Inf
+        (a finite reply whose difference from its base overflowed float32) is left out and its
+        index appended, instead of turning the sum into NaN: the release is then the one without
+        that client, a neighbouring input, so the accounting holds. Found through the clipping
+        norm, which is finite for every finite update but the huge ones: no extra pass.
         """
         if not expected_cohort > 0:
             raise ValueError(f"expected_cohort={expected_cohort}: the release divides by it, so it must be > 0")
@@ -228,8 +238,11 @@ class CentralDP:
         total = {k: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for k, t in like.items()}
         norms: list[float] = []
         pairs = zip(updates, scales, strict=True) if scales is not None else ((u, 1.0) for u in updates)
-        for update, scale in pairs:
+        for i, (update, scale) in enumerate(pairs):
             clipped, norm = clip_update(update, clip)
+            if refused is not None and not math.isfinite(norm) and non_finite_keys(update):
+                refused.append(i)
+                continue
             norms.append(norm)
             for k, t in clipped.items():
                 if t.is_floating_point():
@@ -391,10 +404,21 @@ class DPFedAvg(FedAvg):
 
     def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
         # Called with no valid reply too: DP still releases (noise only).
+        # An update that overflows float32 is left out of the release and its reply rejected. The
+        # model after a release cannot be checked and redone like FedAvg's (`finite_step`): a second
+        # release would spend ε again. It is finite unless clip_norm / the cohort is absurd (every
+        # update moves it by at most C / m), so a non-finite one stops the run (NonFiniteRelease).
         keys = float_keys(self._global)
-        updates = ({k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in screened.valid)
-        noised_mean = self.dp.release(updates, self._global, self._expected_cohort)
-        return require_finite(apply_update(self._global, noised_mean), f"round {server_round}'s model")
+        valid = list(screened.valid)
+        updates = ({k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in valid)
+        refused: list[int] = []
+        noised_mean = self.dp.release(updates, self._global, self._expected_cohort, refused=refused)
+        for i in refused:
+            reject(screened, valid[i], NON_FINITE_UPDATE)
+        nodes = [r.node_id for r in screened.valid]
+        return require_finite(
+            apply_update(self._global, noised_mean), f"round {server_round}'s model (updates of nodes {nodes})"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "dp": self.dp.state_dict(), "population": self.population}
@@ -488,14 +512,30 @@ class DPFedBuff(FedBuff):
         """Nodes with an update in the buffer: no new task before the flush."""
         return {r.node_id for r in self.buffer}
 
-    def _aggregate_buffer(self, current: TensorDict) -> TensorDict:
-        nodes = [r.node_id for r in self.buffer]
+    def _aggregate_buffer(self, current: TensorDict, buffer: list[ValidReply]) -> BufferStep:
+        nodes = [r.node_id for r in buffer]
         if len(set(nodes)) != len(nodes):  # the sensitivity bound assumes it: never release otherwise
             raise RuntimeError(f"a DP buffer holds two updates of one node: {sorted(nodes)}")
         keys = float_keys(current)
-        updates = ({k: r.arrays[k].float() - r.base[k].float() for k in keys} for r in self.buffer)
-        scales = [min(self.staleness(r.staleness), 1.0) for r in self.buffer]
-        return self.dp.release(updates, current, self.buffer_size, scales)
+        updates = ({k: r.arrays[k].float() - r.base[k].float() for k in keys} for r in buffer)
+        scales = [min(self.staleness(r.staleness), 1.0) for r in buffer]
+        refused: list[int] = []
+        update = self.dp.release(updates, current, self.buffer_size, scales, refused=refused)
+        rejected = [Rejection(buffer[i].node_id, NON_FINITE_UPDATE) for i in refused]
+        for rejection in rejected:
+            log.warning("rejected reply from node %s: %s", rejection.node_id, rejection.reason)
+        lr = self.server_lr / self.buffer_size
+        used = [(r, r.arrays, r.base, lr * s) for i, (r, s) in enumerate(zip(buffer, scales, strict=True)) if i not in refused]
+        return BufferStep(update, used, rejected)
+
+    def _step(self, current, kept):  # noqa: ANN001, ANN202 - FedBuff._step's
+        """FedBuff's step, never redone: a second release would spend ε again (see
+        DPFedAvg.aggregate_models), so a model that is still not finite stops the run."""
+        new, parts, state = super()._step(current, kept)
+        if new is not None:
+            nodes = [p[0].node_id for p in parts if isinstance(p[0], ValidReply)]
+            require_finite(new, f"version {self.version + 1}'s model (updates of nodes {nodes})")
+        return new, parts, state
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "dp": self.dp.state_dict()}

@@ -40,7 +40,17 @@ from strategies.replies import (
     specs_of,
     weighted_metrics,
 )
-from strategies.tensor_ops import TensorDict, is_finite, record_to_tensors, stage, tensors_to_record, weighted_mean
+from strategies.tensor_ops import (
+    NON_FINITE_STEP,
+    Part,
+    TensorDict,
+    finite_step,
+    is_finite,
+    record_to_tensors,
+    stage,
+    tensors_to_record,
+    weighted_mean,
+)
 from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -71,6 +81,20 @@ class RoundReport:
 def task_content(arrays: ArrayRecord, config: ConfigRecord, frozen: ArrayRecord | None) -> RecordDict:
     """A task's content: the model, its config and, when some parameters are frozen, those."""
     return RecordDict({ARRAYS: arrays, CONFIG: config, **({FROZEN: frozen} if frozen else {})})
+
+
+def guarded_step(
+    server_round: int, screened: Screened, step: Callable[[list[ValidReply]], tuple[TensorDict | None, list[Part]]]
+) -> TensorDict | None:
+    """`step` over the round's valid replies through `finite_step`: the replies that would make the
+    model non-finite are rejected (named in the log and the round's report), the step is redone
+    without them, and None (keep the model) when no finite step is left."""
+    new, dropped = finite_step(list(screened.valid), step)
+    for reply, reason in dropped:
+        reject(screened, reply, reason)
+    if new is None and dropped:
+        log.warning("round %d: %s; keeping the previous global model", server_round, NON_FINITE_STEP)
+    return new
 
 
 def _destinations(messages: list[Message]) -> dict[str, int]:
@@ -283,30 +307,24 @@ class FedAvg(Strategy):
     def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
         """The new global model from the screened replies, or None to keep the old one.
 
-        The weighted mean is computed first; a NaN or Inf in the result points to the
-        replies that caused it, which are rejected before the mean is recomputed. The
-        common case thus reads every reply once (and uploads it once to a GPU: a
-        recomputation reuses the staged copies).
+        The weighted mean is computed first and checked (`finite_step`): a NaN or Inf in the
+        result points to the replies that caused it (their own NaN or Inf, or the largest weighted
+        values where the sum overflowed float32), which are rejected before the mean is recomputed.
+        The common case thus reads every reply once (and uploads it once to a GPU: a recomputation
+        reuses the staged copies).
         """
         if (out := self._mean_of_encoded(screened)) is not None:
             return out
         staged = dict(zip(map(id, screened.valid), stage([r.arrays for r in screened.valid], self.device), strict=True))
-        while screened.valid:
-            models = [staged[id(r)] for r in screened.valid]
-            out = weighted_mean(models, [r.weight for r in screened.valid], self.device)
-            bad_keys = [k for k, t in out.items() if not is_finite(t)]
-            if not bad_keys:
-                return out
-            culprits = [r for r in screened.valid if any(not is_finite(r.arrays[k]) for k in bad_keys)]
-            if not culprits:
-                log.warning(
-                    "round %d: the weighted mean overflowed in %s; keeping the previous model", server_round, bad_keys
-                )
-                return None
-            for reply in culprits:
-                reject(screened, reply, "non-finite values (NaN or Inf)")
-        return None
 
+        def mean(kept: list[ValidReply]) -> tuple[TensorDict | None, list[Part]]:
+            if not kept:
+                return None, []
+            total = float(sum(r.weight for r in kept))
+            parts: list[Part] = [(r, staged[id(r)], None, r.weight / total) for r in kept]
+            return weighted_mean([staged[id(r)] for r in kept], [r.weight for r in kept], self.device), parts
+
+        return guarded_step(server_round, screened, mean)
     def _mean_of_encoded(self, screened: Screened) -> TensorDict | None:
         """The weighted mean as the sent model plus each compressed reply's update added in place
         (`EncodedModel.add_update_to`): one model-sized accumulator, no dense copy per reply.

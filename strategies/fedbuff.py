@@ -57,7 +57,7 @@ from strategies.replies import (
 from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.staleness import StalenessFn
-from strategies.tensor_ops import TensorDict, record_to_tensors, tensors_to_record
+from strategies.tensor_ops import NON_FINITE_STEP, Part, TensorDict, finite_step, record_to_tensors, tensors_to_record
 from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -90,6 +90,23 @@ class VersionReport:
     # Every successful reply's metrics since the previous version, whatever became of its update
     # (discarded stale, rejected, excluded by a robust rule): a local-DP client's ε is spent either way.
     client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)
+
+
+class _Momentum:
+    """The server momentum as an item of `finite_step`: dropped, it is reset."""
+
+
+MOMENTUM = _Momentum()
+
+
+@dataclass
+class BufferStep:
+    """One buffer's combined update, how each update moved it, and what the rule made of it."""
+
+    update: TensorDict
+    parts: list[Part]  # (reply, model, base, scale) of each update in the step (`tensor_ops.Part`)
+    rejected: list[Rejection] = field(default_factory=list)  # updates the rule found bad (NaN or Inf)
+    robust: dict[str, Any] | None = None  # the robust rule's picks
 
 
 def server_step(
@@ -412,17 +429,19 @@ class FedBuff(Strategy):
         new = None
         for reply in replies:
             self.receive(reply)
-            if len(self.buffer) >= self.buffer_size:
-                new = self.flush()
+            if len(self.buffer) >= self.buffer_size and (stepped := self.flush()) is not None:
+                new = stepped
         return new, (self.report.metrics if new is not None else None)
 
-    def _aggregate_buffer(self, current: TensorDict) -> TensorDict:
-        """The buffer's combined update: weighted mean, or the robust rule's."""
-        buffer = self.buffer
+    def _aggregate_buffer(self, current: TensorDict, buffer: list[ValidReply]) -> BufferStep:
+        """The combined update of `buffer`: weighted mean, or the robust rule's."""
+        lr = self.server_lr
         if self.buffer_rule is None:
-            return weighted_update_mean(
+            total = float(sum(r.weight for r in buffer))
+            update = weighted_update_mean(
                 [r.arrays for r in buffer], [r.base for r in buffer], [r.weight for r in buffer], self.device
             )
+            return BufferStep(update, [(r, r.arrays, r.base, lr * r.weight / total) for r in buffer])
         screened = Screened(valid=list(buffer))
         proposed, outcome = self.buffer_rule.aggregate(self.version + 1, current, screened, [r.base for r in buffer])
         picks = RoundReport(
@@ -432,22 +451,70 @@ class FedBuff(Strategy):
             scores=outcome.scores,
             policy=outcome.policy,
         )
-        self.report.robust = picks.robust_row()
-        self.report.rejected += screened.rejected
+        used = [r for r in screened.valid if r.node_id not in outcome.excluded]
+        parts: list[Part] = [(r, r.arrays, r.base, lr / max(len(used), 1)) for r in used]
         if proposed is None:  # the rule's too-few policy said skip: the model stays
-            return {k: torch.zeros(t.shape, dtype=update_dtype(t), device=self.device) for k, t in current.items()}
-        return {
+            zero = {k: torch.zeros(t.shape, dtype=update_dtype(t), device=self.device) for k, t in current.items()}
+            return BufferStep(zero, [], screened.rejected, picks.robust_row())
+        update = {
             k: proposed[k].to(self.device, update_dtype(t)) - t.to(self.device, update_dtype(t))
             for k, t in current.items()
         }
+        return BufferStep(update, parts, screened.rejected, picks.robust_row())
 
-    def flush(self) -> ArrayRecord:
-        """Apply the buffer: one server update, version + 1."""
+    def _step(
+        self, current: TensorDict, kept: list[ValidReply | _Momentum]
+    ) -> tuple[TensorDict | None, list[Part], tuple[BufferStep, TensorDict | None] | None]:
+        """One server step from the updates in `kept` (with the server momentum when `MOMENTUM` is
+        there): the new model, how each item moved it, and what `flush` keeps of it."""
+        buffer = [r for r in kept if isinstance(r, ValidReply)]
+        if not buffer:
+            return None, [], None
+        velocity = self.velocity if any(k is MOMENTUM for k in kept) else None
+        outcome = self._aggregate_buffer(current, buffer)
+        new, velocity_after = server_step(current, outcome.update, self.server_lr, self.server_momentum, velocity)
+        parts = list(outcome.parts)
+        if velocity is not None:
+            parts.append((MOMENTUM, velocity, None, self.server_lr * self.server_momentum))
+        return new, parts, (outcome, velocity_after)
+
+    def flush(self) -> ArrayRecord | None:
+        """Apply the buffer: one server update, version + 1.
+
+        The step is checked (`finite_step`): updates that would make the model non-finite are
+        rejected (named in the log and the version's report) and the step is made without them;
+        momentum that would carry the model there is reset. None when no update is left: the model
+        and the version stay, the buffer is emptied.
+        """
         current = self._models[self.version]
-        update = self._aggregate_buffer(current)
-        new, self.velocity = server_step(current, update, self.server_lr, self.server_momentum, self.velocity)
+        last: list[tuple[BufferStep, TensorDict | None]] = []
+
+        def step(kept: list[ValidReply | _Momentum]) -> tuple[TensorDict | None, list[Part]]:
+            new, parts, kept_state = self._step(current, kept)
+            last[:] = [kept_state] if kept_state is not None else []
+            return new, parts
+
+        momentum: list[_Momentum] = [MOMENTUM] if self.velocity is not None and self.server_momentum > 0 else []
+        new, dropped = finite_step([*self.buffer, *momentum], step)
         report = self.report
+        for item, reason in dropped:
+            if item is MOMENTUM:
+                log.warning("version %d: server momentum would carry the model to NaN or Inf: reset", self.version + 1)
+                self.velocity = None
+                continue
+            report.rejected.append(Rejection(item.node_id, reason))
+            log.warning("rejected reply from node %s: %s", item.node_id, reason)
+        gone = {id(item) for item, _ in dropped}
+        buffer = [r for r in self.buffer if id(r) not in gone]
+        if new is None:
+            log.warning("version %d: %s; keeping the global model", self.version + 1, NON_FINITE_STEP)
+            self.buffer = []
+            return None
+        outcome, self.velocity = last[0]
+        report.rejected += outcome.rejected
+        report.robust = outcome.robust
         excluded = set(report.robust["excluded"]) if report.robust else set()
+        excluded |= {r.node_id for r in outcome.rejected}  # the updates the rule or the release left out
         report.applied = [
             {
                 "node_id": r.node_id,
@@ -455,16 +522,16 @@ class FedBuff(Strategy):
                 "num_examples": r.metrics[NUM_EXAMPLES],
                 "weight": r.weight,
             }
-            for r in self.buffer
+            for r in buffer
             if r.node_id not in excluded
         ]
-        used = [r for r in self.buffer if r.node_id not in excluded]
+        used = [r for r in buffer if r.node_id not in excluded]
         report.metrics = weighted_metrics(used)
         self.version += 1
         report.version = self.version
         self._arrays = tensors_to_record(new, consume=True)
         self._models[self.version] = record_to_tensors(self._arrays)
-        self.last_buffer, self.last_base, self.buffer = self.buffer, current, []
+        self.last_buffer, self.last_base, self.buffer = buffer, current, []
         self._prune_models()
         return self._arrays
 

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from strategies.fedavg import FedAvg
+from strategies.fedavg import FedAvg, guarded_step
 from strategies.names import POLICIES
-from strategies.replies import Screened, WeightCap, reject
+from strategies.replies import Screened, ValidReply, WeightCap, reject
 from strategies.robust_ops import apply_update, coordinatewise, stage_groups
-from strategies.tensor_ops import TensorDict, is_finite
+from strategies.tensor_ops import Part, TensorDict, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -230,9 +230,25 @@ class RobustStrategy(FedAvg):
         return None if reason is None else f"{reason}, but a round samples at most {cohort} clients"
 
     def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
-        new, outcome = self.rule.aggregate(server_round, self._global, screened, [self._global] * len(screened.valid))
-        report = self.train_report
-        report.excluded, report.scores, report.policy = outcome.excluded, outcome.scores, outcome.policy
+        """The rule's model, checked (`fedavg.guarded_step`): replies that would make it non-finite
+        are rejected and the rule runs again without them."""
+        last: list[tuple[Screened, RuleReport]] = []
+
+        def step(kept: list[ValidReply]) -> tuple[TensorDict | None, list[Part]]:
+            attempt = Screened(valid=list(kept))
+            new, outcome = self.rule.aggregate(server_round, self._global, attempt, [self._global] * len(kept))
+            last[:] = [(attempt, outcome)]
+            return new, [(r, r.arrays, self._global, 1.0) for r in attempt.valid if r.node_id not in outcome.excluded]
+
+        new = guarded_step(server_round, screened, step)
+        if last:  # the rule's own rejections (NaN or Inf updates) in its last run
+            attempt, outcome = last[0]
+            named = {r.node_id for r in screened.rejected}
+            for rejection in (r for r in attempt.rejected if r.node_id not in named):
+                screened.valid = [r for r in screened.valid if r.node_id != rejection.node_id]
+                screened.rejected.append(rejection)
+            report = self.train_report
+            report.excluded, report.scores, report.policy = outcome.excluded, outcome.scores, outcome.policy
         return new
 
     def state_dict(self) -> dict[str, Any]:

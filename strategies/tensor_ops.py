@@ -15,9 +15,9 @@ import io
 import math
 import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
 TensorDict = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 
 @functools.cache
@@ -143,15 +144,88 @@ def tensors_to_record(tensors: dict[str, torch.Tensor], consume: bool = False) -
 
 
 def is_finite(t: torch.Tensor) -> bool:
-    """All values finite, checked through one reduction (no n-sized boolean mask).
+    """All values finite, checked through one reduction (no n-sized boolean mask) in the common case.
 
-    A finite sum implies finite elements; NaN or Inf anywhere makes the sum non-finite.
-    Half types are summed in float32 so large-but-finite models do not overflow.
+    A finite sum implies finite elements; NaN or Inf anywhere makes the sum non-finite. Large
+    but finite values can overflow the sum too, so a non-finite sum is confirmed element by
+    element: the answer is exact, and the extra pass is only paid by a suspicious tensor.
+    Half types are summed in float32.
     """
     if not t.is_floating_point():
         return True
     total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
-    return bool(torch.isfinite(total))
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
+
+
+def non_finite_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The keys of the floating-point tensors holding NaN or Inf."""
+    return [k for k, t in tensors.items() if not is_finite(t)]
+
+
+# --- the model a strategy applies is finite ------------------------------------------------------
+NON_FINITE_STEP = "the step would make the model non-finite"
+
+Part = tuple[object, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor] | None, float]
+"""One contribution to a step: (its owner, a model, the model it moved from or None, its scale),
+the step moving by about scale * (model - base) (scale * model when base is None)."""
+
+
+def _pushes(new: Mapping[str, torch.Tensor], bad: Sequence[str], parts: Sequence[Part]) -> list[float]:
+    """How far each part pushes the step where `new` holds NaN or Inf: max |scale * (model - base)|
+    there, in float64 (no float32 overflow); NaN or Inf in a part's own values counts as inf."""
+    pushes = [0.0] * len(parts)
+    for key in bad:
+        where = ~torch.isfinite(new[key])
+        for i, (_, model, base, scale) in enumerate(parts):
+            t = model[key]
+            x = t.reshape(where.shape)[where.to(t.device)].double()
+            if base is not None:
+                x = x - base[key].reshape(where.shape)[where.to(base[key].device)].double()
+            if x.numel():
+                push = float((x.abs() * abs(scale)).nan_to_num(nan=math.inf).max())
+                pushes[i] = max(pushes[i], push)
+    return pushes
+
+
+def finite_step(
+    items: Sequence[T], step: Callable[[list[T]], tuple[TensorDict | None, Sequence[Part]]]
+) -> tuple[TensorDict | None, list[tuple[T, str]]]:
+    """`step(kept)` until the model it returns is finite: the one check every strategy makes on the
+    model it is about to apply.
+
+    `step` builds the model from the items kept (replies, FedBuff's momentum) and says how each
+    of them moved it (`Part`s; their owners are items). When the model holds NaN or Inf, the
+    items pushing hardest there (`_pushes`, ties included) are dropped and the step is redone:
+    the rest of a round still counts, and the culprits are named. A step that stays non-finite
+    once every item is gone, or that nobody pushed there, is refused (None): the caller keeps
+    its model. Returns the model (None: no step) and each dropped item with the reason.
+    The common case costs one finiteness check of the new model.
+    """
+    kept, dropped = list(items), []
+    while True:
+        new, parts = step(kept)
+        if new is None or not (bad := non_finite_keys(new)):
+            return new, dropped
+        pushes = _pushes(new, bad, parts)
+        top = max(pushes, default=0.0)
+        if not top > 0:  # nobody moved the model there: the whole step is refused
+            culprits = [(owner, f"{NON_FINITE_STEP} (NaN or Inf in {bad})") for owner, *_ in parts]
+        elif math.isinf(top):
+            culprits = [(p[0], "non-finite values (NaN or Inf)") for p, x in zip(parts, pushes, strict=True) if x == top]
+        else:
+            culprits = [
+                (p[0], f"{NON_FINITE_STEP}: it moves {bad} by up to {x:.3g} where the result would be NaN or Inf")
+                for p, x in zip(parts, pushes, strict=True)
+                if x == top
+            ]
+        gone = {id(owner) for owner, _ in culprits}
+        dropped += [(owner, reason) for owner, reason in culprits if any(owner is k for k in kept)]
+        remaining = [k for k in kept if id(k) not in gone]
+        if len(remaining) == len(kept) or not remaining:
+            # nothing left to drop (or nothing left): refuse; every item still kept is named
+            dropped += [(k, f"{NON_FINITE_STEP} (NaN or Inf in {bad})") for k in remaining]
+            return None, dropped
+        kept = remaining
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -93,8 +93,30 @@ def restore_cuda_rng(states: list[torch.Tensor]) -> None:
         )
 
 
+def non_finite_entries(tree: Any, prefix: str = "") -> list[str]:  # noqa: ANN401 - any nesting of dicts and lists
+    """The paths of the floating-point tensors holding NaN or Inf anywhere in `tree`."""
+    if isinstance(tree, torch.Tensor):
+        return [prefix] if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else []
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in non_finite_entries(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(tree, (list, tuple)):
+        return [p for i, v in enumerate(tree) for p in non_finite_entries(v, f"{prefix}[{i}]")]
+    return []
+
+
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
-    """Write to a temporary file, then rename: a crash never leaves half a checkpoint."""
+    """Write to a temporary file, then rename: a crash never leaves half a checkpoint.
+
+    A model (or strategy state, e.g. FedBuff's momentum) holding NaN or Inf is never written:
+    ValueError, and the previous checkpoint stays. The strategies refuse every step that would
+    make the model non-finite, so this is the last line, not the check.
+    """
+    bad = non_finite_entries(ckpt.state_dict) + [f"strategy_state.{p}" for p in non_finite_entries(ckpt.strategy_state)]
+    if bad:
+        raise ValueError(
+            f"round {ckpt.round}: the model to checkpoint holds NaN or Inf in {bad[:10]}; not written "
+            f"({path} keeps the last finite round)"
+        )
     payload = {
         "format": FORMAT_VERSION,
         "state_dict": {k: v.detach().cpu() for k, v in ckpt.state_dict.items()},
@@ -116,6 +138,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"resume={path}: not a readable checkpoint ({err})") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         raise ValueError(f"resume={path}: not a checkpoint of this app (format {FORMAT_VERSION})")
+    if bad := non_finite_entries(payload.get("state_dict")) + non_finite_entries(payload.get("strategy_state")):
+        raise ValueError(
+            f"resume={path}: the checkpoint's model holds NaN or Inf in {bad[:10]} (written before "
+            "non-finite models were refused); resume from an earlier copy or start anew"
+        )
     return Checkpoint(
         state_dict=payload["state_dict"],
         round=int(payload["round"]),
