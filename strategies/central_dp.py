@@ -62,7 +62,7 @@ from strategies.opacus_logging import remove_opacus_root_handler
 from strategies.replies import Rejection, Screened, ValidReply, WeightCap, reject
 from strategies.robust_ops import apply_update, float_keys
 from strategies.staleness import StalenessFn
-from strategies.tensor_ops import TensorDict, is_finite, non_finite_keys
+from strategies.tensor_ops import TensorDict, non_finite_keys
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
@@ -525,7 +525,11 @@ class DPFedBuff(FedBuff):
         for rejection in rejected:
             log.warning("rejected reply from node %s: %s", rejection.node_id, rejection.reason)
         lr = self.server_lr / self.buffer_size
-        used = [(r, r.arrays, r.base, lr * s) for i, (r, s) in enumerate(zip(buffer, scales, strict=True)) if i not in refused]
+        used = [
+            (r, r.arrays, r.base, lr * s)
+            for i, (r, s) in enumerate(zip(buffer, scales, strict=True))
+            if i not in refused
+        ]
         return BufferStep(update, used, rejected)
 
     def _step(self, current, kept):  # noqa: ANN001, ANN202 - FedBuff._step's

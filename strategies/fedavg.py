@@ -325,6 +325,7 @@ class FedAvg(Strategy):
             return weighted_mean([staged[id(r)] for r in kept], [r.weight for r in kept], self.device), parts
 
         return guarded_step(server_round, screened, mean)
+
     def _mean_of_encoded(self, screened: Screened) -> TensorDict | None:
         """The weighted mean as the sent model plus each compressed reply's update added in place
         (`EncodedModel.add_update_to`): one model-sized accumulator, no dense copy per reply.

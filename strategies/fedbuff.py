@@ -494,7 +494,7 @@ class FedBuff(Strategy):
             last[:] = [kept_state] if kept_state is not None else []
             return new, parts
 
-        momentum: list[_Momentum] = [MOMENTUM] if self.velocity is not None and self.server_momentum > 0 else []
+        momentum: list[_Momentum] = [MOMENTUM] if self.velocity is not None else []
         new, dropped = finite_step([*self.buffer, *momentum], step)
         report = self.report
         for item, reason in dropped:

@@ -211,7 +211,9 @@ def finite_step(
         if not top > 0:  # nobody moved the model there: the whole step is refused
             culprits = [(owner, f"{NON_FINITE_STEP} (NaN or Inf in {bad})") for owner, *_ in parts]
         elif math.isinf(top):
-            culprits = [(p[0], "non-finite values (NaN or Inf)") for p, x in zip(parts, pushes, strict=True) if x == top]
+            culprits = [
+                (p[0], "non-finite values (NaN or Inf)") for p, x in zip(parts, pushes, strict=True) if x == top
+            ]
         else:
             culprits = [
                 (p[0], f"{NON_FINITE_STEP}: it moves {bad} by up to {x:.3g} where the result would be NaN or Inf")

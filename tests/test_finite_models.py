@@ -205,7 +205,9 @@ SCENARIOS: dict[str, Scenario] = {
         refused_step=[False, True],
     ),
     # The finding as reported: +max is a finite step, -max then overflows `model - base`.
-    "fedbuff_mean": Scenario(lambda: AsyncDriver(_fedbuff(), _start(0.0)), attack=[MAX, -MAX], refused_step=[False, True]),
+    "fedbuff_mean": Scenario(
+        lambda: AsyncDriver(_fedbuff(), _start(0.0)), attack=[MAX, -MAX], refused_step=[False, True]
+    ),
     "fedbuff_robust": Scenario(
         lambda: AsyncDriver(_fedbuff(buffer_size=5, buffer_rule=KrumRule(num_byzantine=1)), _start(0.0)),
         attack=[MAX, -MAX],
@@ -253,7 +255,9 @@ def _adds_every_update(
 
 
 def _checkpoint_is_finite(path: Path, model: dict[str, np.ndarray], step: int, strategy) -> bool:  # noqa: ANN001
-    save_checkpoint(path, Checkpoint({k: torch.from_numpy(v) for k, v in model.items()}, step, strategy.state_dict(), {}, 0.0))
+    save_checkpoint(
+        path, Checkpoint({k: torch.from_numpy(v) for k, v in model.items()}, step, strategy.state_dict(), {}, 0.0)
+    )
     saved = torch.load(path, map_location="cpu", weights_only=True)  # as written, before load_checkpoint's checks
     tensors = list(saved["state_dict"].values()) + list((saved["strategy_state"].get("velocity") or {}).values())
     return all(bool(torch.isfinite(t).all()) for t in tensors)
@@ -330,7 +334,11 @@ def test_finite_step_drops_the_largest_push_and_redoes_the_step():
     """Three contributions to a sum; the one whose scaled update is largest where the sum
     overflows goes, then the step is finite."""
     base = {"w": torch.tensor([0.0, 0.0])}
-    models = {"a": {"w": torch.tensor([MAX, 1.0])}, "b": {"w": torch.tensor([MAX / 2, 1.0])}, "c": {"w": torch.tensor([1.0, 1.0])}}
+    models = {
+        "a": {"w": torch.tensor([MAX, 1.0])},
+        "b": {"w": torch.tensor([MAX / 2, 1.0])},
+        "c": {"w": torch.tensor([1.0, 1.0])},
+    }
 
     def step(kept):
         out = {"w": base["w"].clone()}
@@ -344,7 +352,9 @@ def test_finite_step_drops_the_largest_push_and_redoes_the_step():
 
 
 def test_finite_step_refuses_a_step_nobody_can_be_blamed_for():
-    new, dropped = finite_step(["a"], lambda kept: ({"w": torch.tensor([math.inf])}, [(x, {"w": torch.zeros(1)}, None, 1.0) for x in kept]))
+    new, dropped = finite_step(
+        ["a"], lambda kept: ({"w": torch.tensor([math.inf])}, [(x, {"w": torch.zeros(1)}, None, 1.0) for x in kept])
+    )
     assert new is None and [d for d, _ in dropped] == ["a"]
 
 
@@ -392,7 +402,14 @@ def test_a_non_finite_checkpoint_is_not_resumed_from(tmp_path):
     """A checkpoint written before the guard existed."""
     path = tmp_path / "old.pt"
     torch.save(
-        {"format": 1, "state_dict": {"w": torch.tensor([-math.inf])}, "round": 2, "strategy_state": {}, "rng": {}, "wall_time_s": 0.0},
+        {
+            "format": 1,
+            "state_dict": {"w": torch.tensor([-math.inf])},
+            "round": 2,
+            "strategy_state": {},
+            "rng": {},
+            "wall_time_s": 0.0,
+        },
         path,
     )
     with pytest.raises(ValueError, match=r"resume=.*NaN or Inf.*\['w'\]"):
