@@ -8,8 +8,15 @@ node naming a partition already bound, is refused. What this buys: a node cannot
 borrow another partition's size (the cap on its example count) or accountant history
 after the fact. What it cannot buy: the first claim itself is unverified, so in
 simulation the binding is only as honest as the simulated nodes (they are this app's
-own code). Deployed nodes have no partition; they are known by their node id, which
-SuperNode authentication ties to a registered key.
+own code, given their partition by Flower).
+
+On a deployment (`from_claims=False`) nobody vouches for a claim: a SuperNode started
+with a demo `partition-id` (scripts/local_deployment.py, docker/compose.yaml) reports
+whatever its operator typed, and a first-claim binding would let one registered member
+claim another's partition first and get every later reply of that member refused. So
+claims bind nothing there: each node is known by its node id (which SuperNode
+authentication ties to a registered key), its example count is capped by
+`federation.max_examples_per_node` alone, and its local-DP history is filed under its id.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from strategies.replies import InvalidReply
 class PartitionBinding:
     """node id <-> partition id, bound by the first claim and never changed."""
 
-    def __init__(self, num_partitions: int) -> None:
+    def __init__(self, num_partitions: int, *, from_claims: bool = True) -> None:
         if num_partitions < 1:
             raise ValueError(f"num_partitions={num_partitions} must be >= 1")
         self.num_partitions = num_partitions
+        self.from_claims = from_claims  # False on a deployment: claims are ignored (module docstring)
         self._by_node: dict[int, int] = {}
         self._by_partition: dict[int, int] = {}
 
@@ -32,8 +40,11 @@ class PartitionBinding:
 
         `claimed` is the reply's `partition-id` (None or absent for a deployed node).
         A node bound earlier that now reports nothing keeps its binding (returned).
-        Raises InvalidReply on a claim that contradicts the binding or is malformed.
+        Raises InvalidReply on a claim that contradicts the binding or is malformed. On a
+        deployment (`from_claims=False`) every claim is ignored: None.
         """
+        if not self.from_claims:
+            return None
         bound = self._by_node.get(node_id)
         if claimed is None:
             return bound
@@ -52,5 +63,7 @@ class PartitionBinding:
         return self._by_node.get(node_id)
 
     def unbound(self) -> list[int]:
-        """Partitions no node has claimed yet."""
+        """Partitions no node has claimed yet (none on a deployment: there, no history is filed by partition)."""
+        if not self.from_claims:
+            return []
         return [p for p in range(self.num_partitions) if p not in self._by_partition]

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.config.schema import Config, ConfigError, LossConfig, TaskConfig, TrainConfig
+from app.config.schema import ROW_COLUMNS, Config, ConfigError, LossConfig, TaskConfig, TrainConfig
 from app.config.validate import validate
 from app.run.results import RunRecorder
+from app.run.rows import EXACT_ROW_KEYS, check_columns
 from app.task.data import DataSpec, Examples
 from app.task.metrics import DEFAULT_TASK, Task
 from app.task.training import Precision, evaluate, train
@@ -271,3 +272,19 @@ def test_multilabel_balanced_accuracy_is_the_mean_over_labels() -> None:
     targets = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
     # label 0: recall(1) = 1/2, recall(0) = 1/2 -> 1/2; label 1: recall(1) = 1, recall(0) = 2/3 -> 5/6
     assert t.metrics(logits, targets)["balanced_accuracy"] == pytest.approx((1 / 2 + 5 / 6) / 2)
+
+
+@pytest.mark.parametrize("column", ["num_clients", "train", "epsilon", "client_epsilon_max", "bytes_up", "staleness"])
+def test_a_metric_named_like_a_row_column_is_refused_naming_it(column: str) -> None:
+    """It would be overwritten when the row is put together (issue 32, finding 9)."""
+    with pytest.raises(ConfigError, match=rf"^task\.metrics\[1\]\.name='{column}' is invalid: '{column}' is already"):
+        validate(configured(["accuracy", {"_target_": "my_pkg.m.f", "name": column}]))
+
+
+def test_a_row_with_an_undeclared_column_is_refused_and_the_declaration_covers_the_exact_keys() -> None:
+    """check_columns holds the declaration whole: every in-process federation of the suite passes
+    through it, so a new column that is not declared fails them."""
+    check_columns({"round": 1, "accuracy": 0.5, "epsilon": 1.0, "dice": 0.2}, ["accuracy", "dice"])
+    with pytest.raises(RuntimeError, match=r"\['new_column'\] are not declared"):
+        check_columns({"round": 1, "accuracy": 0.5, "new_column": 3}, ["accuracy"])
+    assert set(EXACT_ROW_KEYS) <= set(ROW_COLUMNS)

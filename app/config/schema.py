@@ -36,6 +36,24 @@ AMP_PRECISIONS = ("fp16", "bf16", "off")  # what train.amp resolves to on a devi
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 AMP_MODES = ("auto", *AMP_PRECISIONS)
 
+# Every column a metrics.jsonl row can have besides the task's metrics (one per `task.metrics`
+# name): declared here, once, so that the validation refuses a metric named like one (it would be
+# overwritten when the row is put together) and the run refuses a row with an undeclared column
+# (app/run/rows.py:check_columns). Which step writes each: docs/configuration.md.
+ROW_COLUMNS = (
+    # every row (app/run/federation.py: timed_row)
+    "round", "loss", "wall_time_s", "round_time_s", "sim_time_s",
+    # a synchronous round (app/run/rows.py: round_row) or a FedBuff version (version_row)
+    "version", "num_sampled", "num_clients", "num_rejected", "num_missing", "num_failed",
+    "num_discarded_stale", "model_updated", "rejected", "failed", "capped_weights", "robust",
+    "node_partitions", "applied", "staleness", "tasks_sent", "train", "federated_eval",
+    # traffic (app/run/rows.py: traffic)
+    "bytes_down", "bytes_up", "bytes_down_total", "bytes_up_total", "unpack_s",
+    # privacy (app/run/privacy.py: each mode's row)
+    "epsilon", "clip_norm", "releases", "noised_unclipped_fraction", "clipped_fraction",
+    "client_epsilon_max", "client_epsilon_mean", "dp_history_rejected",
+)  # fmt: skip
+
 
 def metric_name(entry: Any) -> str:  # noqa: ANN401
     """A `task.metrics` entry's name (its metrics.jsonl column): the built-in's, the entry's

@@ -26,6 +26,7 @@ from app.config.schema import (
     PARTITIONS,
     PRIVACY,
     ROBUST_POLICIES,
+    ROW_COLUMNS,
     STRAGGLERS,
     STRATEGIES,
     Config,
@@ -303,9 +304,8 @@ def _require_target(key: str, value: str | None) -> None:
 
 
 # A metric's name becomes a metrics.jsonl column and a reply key (eval-<name>): a plain word,
-# and not one of the columns every row already has.
+# and not one of the row's other columns (ROW_COLUMNS), which would overwrite it.
 _METRIC_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
-_ROW_COLUMNS = ("loss", "round", "version", "wall_time_s", "round_time_s")
 
 
 def _metric_names(metrics: list[Any]) -> list[str]:
@@ -327,11 +327,17 @@ def _metric_names(metrics: list[Any]) -> list[str]:
             )
             name = entry
         _require(
-            _METRIC_NAME_RE.fullmatch(name) is not None and name not in _ROW_COLUMNS,
+            _METRIC_NAME_RE.fullmatch(name) is not None,
             f"{key}.name",
             name,
-            "a metric's name is a metrics.jsonl column: letters, digits, '_', '.', '-', starting with a letter, "
-            f"and none of {', '.join(_ROW_COLUMNS)}",
+            "a metric's name is a metrics.jsonl column: letters, digits, '_', '.', '-', starting with a letter",
+        )
+        _require(
+            name not in ROW_COLUMNS,
+            f"{key}.name",
+            name,
+            f"{name!r} is already a metrics.jsonl column of every run (it would be overwritten); name the metric "
+            f"otherwise, e.g. {{_target_: ..., name: my_{name}}}",
         )
         names.append(name)
     return names

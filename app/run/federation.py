@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict
@@ -42,9 +43,10 @@ from app.run.factory import (
 from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
 from app.run.monitoring import Monitor
 from app.run.results import RunRecorder, new_run_dir, read_summary
-from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
+from app.run.rows import check_columns, reply_metrics, reported, round_row, traffic, version_row
 from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles
+from app.simulation.local_grid import InProcessGrid
 from app.simulation.virtual_clock import VirtualClockGrid, discover_partitions
 from app.task.data import Examples, check_partitioning, data_spec, load_splits, materialize, spec_to_record
 from app.task.metrics import Task
@@ -132,6 +134,15 @@ def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float) -> list[int]:
     return nodes
 
 
+def runs_simulated_nodes(grid: Grid) -> bool:
+    """Whether `grid`'s nodes are simulated, each given its partition-id by the simulation
+    itself: Flower's (`flwr run` on a simulation SuperLink hands the ServerApp an InMemoryGrid)
+    or this process's (InProcessGrid). Anything else is a deployment. Flower's class is looked
+    up only if it is loaded already: a deployed ServerApp never imports Flower's SuperLink."""
+    in_memory = sys.modules.get("flwr.superlink.grid.inmemory_grid")
+    return isinstance(grid, InProcessGrid) or (in_memory is not None and isinstance(grid, in_memory.InMemoryGrid))
+
+
 class FederatedRun:
     """One run: the global model, its strategy, central evaluation, results and checkpoints."""
 
@@ -162,8 +173,9 @@ class FederatedRun:
         self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
         check_cohort(cfg, self.strategy, len(self.nodes))
-        # Simulated nodes report their partition; the first claim binds (strategies/partitions.py).
-        self.partitions = PartitionBinding(len(self.nodes))
+        # Simulated nodes report their partition and the first claim binds; a deployed node's claim
+        # binds nothing (strategies/partitions.py).
+        self.partitions = PartitionBinding(len(self.nodes), from_claims=runs_simulated_nodes(grid))
         self.strategy.weight_cap = example_cap(cfg, train_source.labels, self.partitions)
         self.clock: VirtualClockGrid | None = None
         self.fleet: dict[str, Any] | None = None
@@ -281,6 +293,11 @@ class FederatedRun:
         the work each task means (its partition's training examples x epochs; evaluation: its
         validation examples)."""
         cfg = self.cfg
+        if not self.partitions.from_claims:
+            raise ConfigError(
+                f"fleet={fleet.name}: fleet profiles and stragglers simulate nodes under `flwr run` simulation; "
+                "this is a deployment, which runs in real time (fleet=none stragglers=none)"
+            )
         partitions = discover_partitions(self.grid, self.nodes, cfg.federation.node_wait_timeout_s)
         for node, partition in partitions.items():
             if self.partitions.bind(node, partition) is None:
@@ -382,6 +399,7 @@ class FederatedRun:
         """Record step `rnd`: its ledger entry (`nodes`: who took part and how), the checkpoint, its
         row, and the live metrics (per node from `client_metrics` only where the row may be exact)."""
         row.update(self.privacy.row())
+        check_columns(row, self.task.names)
         if (described := self.privacy.describe(row)) is not None:
             log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
         state = self.full_state(self.arrays)  # hashed for the ledger and checkpointed: built once
