@@ -46,6 +46,7 @@ SLOW_MODULES: dict[str, str] = {
     "test_gpu_smoke": "scripts/gpu_smoke.py --quick --device cpu in a subprocess (~30 s)",
     "test_gpu_check": "bench/gpu_check.py --quick --device cpu, and a ClientApp process it starts (~25 s)",
     "test_scale": "two federations of 100 and 1000 nodes, each in its own process",
+    "test_soak": "the shortened soak: a supervised secure stack through node, ServerApp and SuperLink kills (~5 min)",
 }
 
 # Modules that mix fast and slow tests: the slow ones, by test function name (every
