@@ -178,9 +178,10 @@ def _pushes(new: Mapping[str, torch.Tensor], bad: Sequence[str], parts: Sequence
         where = ~torch.isfinite(new[key])
         for i, (_, model, base, scale) in enumerate(parts):
             t = model[key]
-            x = t.reshape(where.shape)[where.to(t.device)].double()
+            x = t.reshape(where.shape)[where.to(t.device)].to(where.device, torch.float64)
             if base is not None:
-                x = x - base[key].reshape(where.shape)[where.to(base[key].device)].double()
+                b = base[key]
+                x = x - b.reshape(where.shape)[where.to(b.device)].to(where.device, torch.float64)
             if x.numel():
                 push = float((x.abs() * abs(scale)).nan_to_num(nan=math.inf).max())
                 pushes[i] = max(pushes[i], push)
