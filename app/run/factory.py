@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, MessageType, MetricRecord
 from app.compression.downlink import Downlink
 from app.compression.wire import NodeModel, unpack
 from app.config.schema import ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
+from app.privacy.accounting import Prescription
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import DataSpec, partition_indices, validation_size
@@ -212,11 +213,13 @@ def run_privacy(
     cfg: Config, strategy: FedAvg | FedBuff, partitions: PartitionBinding, state: dict[str, Any]
 ) -> RunPrivacy:
     """The run's privacy book-keeping for `privacy.name`; local DP also gives the strategy each
-    node's own accountant history to send (`strategy.node_config`)."""
+    node's own accountant history to send (`strategy.node_config`) and, around its weight cap
+    (set before this), the check that rejects a reply whose history the server would refuse."""
     p = cfg.privacy
     if p.name == "local":
-        local = LocalPrivacy(p, partitions, state.get("local_dp"))
+        local = LocalPrivacy(p, partitions, state.get("local_dp"), Prescription.of(cfg))
         strategy.node_config = local.prior
+        strategy.weight_cap = local.screening(strategy.weight_cap)
         return local
     dp: CentralDP | None = getattr(strategy, "dp", None)
     return NoPrivacy() if dp is None else CentralPrivacy(dp, p.report_exact)

@@ -8,17 +8,19 @@ themselves live in strategies/central_dp.py (central) and app/privacy/ (local DP
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
-from flwr.app import MetricRecord
+from flwr.app import MessageType, MetricRecord
 
 from app.config.schema import PrivacyConfig
-from app.privacy.accounting import HistoryLedger, MalformedHistory, history_key
+from app.privacy.accounting import Allowance, HistoryLedger, MalformedHistory, Prescription, history_key
 from app.protocol import PARTITION_ID
 from strategies.central_dp import CentralDP
 from strategies.partitions import PartitionBinding
-from strategies.replies import InvalidReply
+from strategies.replies import InvalidReply, WeightCap
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -80,26 +82,77 @@ class CentralPrivacy(NoPrivacy):
 
 class LocalPrivacy(NoPrivacy):
     """Local DP-SGD: every client's accountant history under the server's name for it
-    (app/privacy/); each training message carries only the history that can be its node's own."""
+    (app/privacy/); each training message carries only the history that can be its node's own.
+
+    With a `prescription` (app/run/factory.py:run_privacy) a history must also match what the
+    server prescribed for the tasks it sent the node (`Prescription`): this object counts each
+    node's training tasks (`prior` is asked once per training message) and what it accepted from
+    it, and `screening` makes the strategy reject a training reply whose history it would refuse,
+    so that reply's update is not aggregated either.
+    """
 
     drain = True  # FedBuff waits for the tasks in flight: their steps are spent either way
 
-    def __init__(self, cfg: PrivacyConfig, partitions: PartitionBinding, state: dict[str, Any] | None) -> None:
-        self.cfg, self.partitions = cfg, partitions
-        self.ledger = HistoryLedger(cfg.delta, state)
+    def __init__(
+        self,
+        cfg: PrivacyConfig,
+        partitions: PartitionBinding,
+        state: dict[str, Any] | None,
+        prescription: Prescription | None = None,
+    ) -> None:
+        self.cfg, self.partitions, self.prescription = cfg, partitions, prescription
+        self.ledger = HistoryLedger(cfg.delta, state, prescription)
         self.rejections: list[dict[str, Any]] = []  # refused histories since the last row
+        self.examples: WeightCap | None = None  # the strategy's cap on a reply's examples (`screening`)
+        self.tasks: Counter[int] = Counter()  # node id -> training tasks sent in this run
+        self.steps: Counter[int] = Counter()  # node id -> DP-SGD steps accepted from it in this run
+        # node id -> (σ, q) pairs it extended, in accepted histories and in refused ones whose RDP was
+        # computed: at most one per task sent, so a node can make the server compute one RDP per task
+        self.pairs: Counter[int] = Counter()
 
     def prior(self, node_id: int, connected: Collection[int]) -> dict[str, str]:
         """What a training message to `node_id` adds to its config (the strategy's node_config;
         `connected`: the node ids connected now, read once for the whole cohort)."""
+        self.tasks[node_id] += 1
         partition = self.partitions.partition_of(node_id)
         return self.ledger.prior(node_id, partition, self.partitions.unbound(), connected)
+
+    def allowance(self, node: int, metrics: MetricRecord, examples: float | None = None) -> Allowance | None:
+        """What `node` may have added to its history in this run (None without a prescription).
+        `examples`: the strategy's cap for this reply (its partition's training size, or
+        federation.max_examples_per_node), asked here when not given."""
+        p = self.prescription
+        if p is None:
+            return None
+        if examples is None:
+            try:
+                examples = p.max_examples if self.examples is None else self.examples(node, metrics, MessageType.TRAIN)
+            except InvalidReply:  # a contested partition claim: the node is held to the deployment cap
+                examples = p.max_examples
+        return Allowance(max(1, int(examples)), self.tasks[node], self.steps[node], self.pairs[node])
+
+    def screening(self, cap: WeightCap | None) -> WeightCap:
+        """The strategy's weight cap, which also refuses a training reply whose accountant history
+        would be refused (InvalidReply naming the reason; the strategy logs it with the node id)."""
+        self.examples = cap
+
+        def cap_and_check(node: int, metrics: MetricRecord, kind: str) -> float:
+            limit = cap(node, metrics, kind) if cap is not None else math.inf  # binds a partition claim first
+            if kind == MessageType.TRAIN:
+                key = history_key(self.partitions.partition_of(node), node)
+                try:
+                    self.ledger.check(key, metrics, self.allowance(node, metrics, limit if cap is not None else None))
+                except MalformedHistory as err:
+                    raise InvalidReply(f"local-DP accountant history refused: {err}") from None
+            return limit
+
+        return cap_and_check
 
     def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
         """Keep every reply's accountant history, whatever becomes of its update (the steps were
         taken either way), under the node's bound partition or its node id, never the reply's
-        claim alone. A malformed or shrinking history is logged and listed in the next row
-        (`dp_history_rejected`); the one on record stays."""
+        claim alone. A malformed, shrinking, unprescribed or unaccountable history is logged and
+        listed in the next row (`dp_history_rejected`); the one on record stays."""
         for node, metrics in client_metrics:
             try:
                 partition = self.partitions.bind(node, metrics.get(PARTITION_ID))
@@ -107,10 +160,14 @@ class LocalPrivacy(NoPrivacy):
                 partition = self.partitions.partition_of(node)
             key = history_key(partition, node)
             try:
-                self.ledger.record(key, node, metrics)
+                grown = self.ledger.record(key, node, metrics, self.allowance(node, metrics))
             except MalformedHistory as err:
                 log.warning("node %s: local-DP accountant history for %s refused: %s", node, key, err)
                 self.rejections.append({"node_id": node, "key": key, "reason": str(err)})
+                self.pairs[node] += err.computed  # refused after its RDP was computed: still charged
+                continue
+            self.steps[node] += sum(n for _, _, n in grown)
+            self.pairs[node] += len(grown)
 
     def spent_before_release(self, federated_eval: bool) -> bool:
         return True  # the clients took their steps before replying
