@@ -32,11 +32,13 @@ from app.protocol import (
     EVAL_LOSS,
     EVAL_PREFIX,
     FROZEN,
+    LEDGER_ON,
     METRICS,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     PARTITION_ID,
     RECEIPT_HASH,
+    RECEIPT_REPLY,
     RECEIPT_STEP,
     SERVER_ROUND,
     STATE_DIR,
@@ -73,6 +75,7 @@ from app.task.training import (
     train,
     with_layout,
 )
+from strategies.replies import arrays_digest  # the ledger's reply hash: the node computes it too
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -235,26 +238,90 @@ def reply_arrays(
     return arrays
 
 
-RECEIPTS = "ledger-receipts"  # ConfigRecord in context.state: ledger step -> the entry hash the server sent
+RECEIPTS = "ledger-receipts"  # ConfigRecord in context.state: ledger step -> the entry hash first received for it
+RECEIPT_CONFLICTS = "ledger-receipt-conflicts"  # step -> the other entry hashes received for it (never overwritten)
+RECEIPT_MISMATCHES = "ledger-receipt-mismatches"  # step -> a recorded reply hash that is none of this node's replies
+SENT = "ledger-replies"  # ConfigRecord in context.state: "sha256" -> this node's last SENT_KEPT reply hashes
+SENT_KEPT = 64
+
+
+def receipts_file(context: Context) -> Path | None:
+    """`state-dir/ledger-receipts-run<run id>.jsonl`, where a site keeps its receipts and the
+    hashes of its replies (`python -m app.ledger receipts RUN_DIR --check FILE` reads it)."""
+    state_dir = str(context.node_config.get(STATE_DIR, "") or "")
+    return Path(state_dir) / f"ledger-receipts-run{context.run_id}.jsonl" if state_dir else None
+
+
+def _keep_line(context: Context, line: dict[str, Any]) -> None:
+    if (path := receipts_file(context)) is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def sent_hashes(context: Context) -> list[str]:
+    """This node's recent reply hashes, newest last."""
+    return list(context.state[SENT]["sha256"]) if SENT in context.state else []
+
+
+def remember_reply(arrays: ArrayRecord, record: dict, context: Context) -> None:
+    """With the ledger on, hash the reply's arrays as they go on the wire, the way the server's
+    ledger does (`reply_sha256`), and keep the hash (state; `state-dir`) for the receipt to come."""
+    if not record.get(LEDGER_ON):
+        return
+    digest = arrays_digest(arrays)
+    context.state[SENT] = ConfigRecord({"sha256": [*sent_hashes(context), digest][-SENT_KEPT:]})
+    _keep_line(context, {"node_id": context.node_id, "sent_sha256": digest, "round": int(record.get(SERVER_ROUND, 0))})
 
 
 def keep_receipt(record: dict, context: Context) -> None:
-    """Keep the receipt a task carries (the ledger entry that recorded this node's previous reply)
-    in the node's state and, with a `state-dir`, in `ledger-receipts-run<id>.jsonl` there, so the
-    site can later show what the server acknowledged (docs/ledger.md#receipts)."""
+    """Keep the receipt a task carries (the ledger entry that recorded this node's last reply, and
+    that reply's hash as recorded) in the node's state and, with a `state-dir`, in
+    `ledger-receipts-run<id>.jsonl` there, so the site can later show what the server acknowledged
+    (docs/ledger.md#receipts). Checked against what the node holds: a recorded reply hash that is
+    none of its own replies, or a second entry hash for a step it already has a receipt for, is
+    logged and kept next to the first, never in its place."""
     if RECEIPT_HASH not in record:
         return
     step, digest = int(record[RECEIPT_STEP]), str(record[RECEIPT_HASH])
+    reply = str(record.get(RECEIPT_REPLY, ""))
     held = dict(context.state[RECEIPTS]) if RECEIPTS in context.state else {}
+    line: dict[str, Any] = {"node_id": context.node_id, "step": step, "hash": digest, "reply_sha256": reply}
     if held.get(str(step)) == digest:
         return
-    held[str(step)] = digest
-    context.state[RECEIPTS] = ConfigRecord(held)
-    if state_dir := str(context.node_config.get(STATE_DIR, "") or ""):
-        path = Path(state_dir) / f"ledger-receipts-run{context.run_id}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps({"step": step, "hash": digest}) + "\n")
+    if str(step) in held:
+        conflicts = dict(context.state[RECEIPT_CONFLICTS]) if RECEIPT_CONFLICTS in context.state else {}
+        others = list(conflicts.get(str(step), []))
+        if digest in others:
+            return
+        conflicts[str(step)] = [*others, digest]
+        context.state[RECEIPT_CONFLICTS] = ConfigRecord(conflicts)
+        line["conflict"] = True
+        log.warning(
+            "ledger receipt: step %d was acknowledged as entry %s before, now as %s: the server's ledger changed "
+            "after it acknowledged this node's reply (both kept)",
+            step,
+            held[str(step)][:12],
+            digest[:12],
+        )
+    else:
+        held[str(step)] = digest
+        context.state[RECEIPTS] = ConfigRecord(held)
+    own = sent_hashes(context)
+    if reply and own and reply not in own:
+        mismatches = dict(context.state[RECEIPT_MISMATCHES]) if RECEIPT_MISMATCHES in context.state else {}
+        mismatches[str(step)] = reply
+        context.state[RECEIPT_MISMATCHES] = ConfigRecord(mismatches)
+        line["mismatch"] = True
+        log.warning(
+            "ledger receipt: entry %s (step %d) records reply %s, which is none of this node's last %d replies: "
+            "the server recorded something this node did not send",
+            digest[:12],
+            step,
+            reply[:12],
+            len(own),
+        )
+    _keep_line(context, line)
 
 
 @app.train()
@@ -326,6 +393,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     if malicious and attack.name in MODEL_POISONING:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
     arrays = reply_arrays(job, state, context, seed, metrics)
+    remember_reply(arrays, job.record, context)
     content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 

@@ -47,10 +47,13 @@ EVAL_PREFIX = "eval-"  # federated evaluation: eval-<metric name> for each of ta
 DOWNLINK = "downlink"  # "fp16", "full" (the model, and the start of a delta chain) or "delta"
 DOWNLINK_BASE = "downlink-base"  # delta: the id of the copy the node must hold
 DOWNLINK_ID = "downlink-id"  # full and delta: the id of the copy the node holds after this task
-# a training task's ConfigRecord with the ledger on: the step and hash of the ledger entry that recorded
-# this node's previous reply, its receipt (docs/ledger.md#receipts)
+# a training task's ConfigRecord with the ledger on (docs/ledger.md#receipts): LEDGER_ON, and the receipt
+# of this node's last recorded reply: the step and hash of the ledger entry that recorded it, and the
+# reply's sha256 as recorded there (strategies.replies.arrays_digest, which the node computes too)
+LEDGER_ON = "ledger"
 RECEIPT_STEP = "ledger-receipt-step"
 RECEIPT_HASH = "ledger-receipt-hash"
+RECEIPT_REPLY = "ledger-receipt-reply-sha256"
 
 
 CLIENT_SECTIONS = {

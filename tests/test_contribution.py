@@ -70,7 +70,10 @@ def test_values_are_evaluated_once_per_coalition():
 
 
 def test_a_fedbuff_buffer_is_scored_from_each_updates_own_base_with_the_server_lr():
-    """Coalition models are previous + lr * weighted mean of (model - its base), summed per node."""
+    """A coalition's model is previous + lr * the sum of its members' parts of the released step
+    (share w / W of all the buffer's weight, not renormalised), each update taken from the model
+    it trained from; an update longer than the median is credited up to the median and its excess
+    counts only when it did harm; scores are summed per node."""
     from app.config.schema import LedgerConfig
     from app.run.contributions import RoundScores
     from strategies.replies import ValidReply
@@ -79,25 +82,88 @@ def test_a_fedbuff_buffer_is_scored_from_each_updates_own_base_with_the_server_l
     old = {"w": torch.tensor([1.0, -1.0])}  # a stale update's base
     target = torch.tensor([1.0, 2.0])
     buffer = [
-        ValidReply(7, 1.0, None, {"w": torch.tensor([1.0, 2.0])}, base=previous),  # the update (1, 2)
-        ValidReply(8, 3.0, None, {"w": torch.tensor([1.0, -3.0])}, base=old),  # the update (0, -2)
-        ValidReply(7, 2.0, None, {"w": torch.tensor([2.0, 2.0])}),  # no base: from `previous`, (2, 2)
+        ValidReply(7, 1.0, None, {"w": torch.tensor([1.0, 2.0])}, base=previous),  # the update (1, 2), norm √5
+        ValidReply(8, 3.0, None, {"w": torch.tensor([1.0, -3.0])}, base=old),  # the update (0, -2), norm 2
+        ValidReply(7, 2.0, None, {"w": torch.tensor([2.0, 2.0])}),  # no base: from `previous`, (2, 2), norm √8
     ]
     lr = 0.5
+    shares = [lr * r.weight / 6.0 for r in buffer]
+    bounded = torch.tensor([2.0, 2.0]) * (5**0.5 / 8**0.5)  # clipped to the median norm, √5
+    parts = {  # (entry, part) -> its contribution to the step
+        (0, "private"): shares[0] * torch.tensor([1.0, 2.0]),
+        (1, "private"): shares[1] * torch.tensor([0.0, -2.0]),
+        (2, "private"): shares[2] * bounded,
+        (2, "unearned"): shares[2] * (torch.tensor([2.0, 2.0]) - bounded),
+    }
 
-    def v(members: list[int]) -> float:  # the closed form
-        if not members:
-            return -float((previous["w"] - target).pow(2).sum())
-        updates = [buffer[i].arrays["w"] - (buffer[i].base or previous)["w"] for i in members]
-        weights = [buffer[i].weight for i in members]
-        mean = sum(w * u for w, u in zip(weights, updates, strict=True)) / sum(weights)
-        return -float((previous["w"] + lr * mean - target).pow(2).sum())
+    def v(members) -> float:  # the closed form
+        w = previous["w"] + sum((parts[m] for m in members), torch.zeros(2))
+        return -float((w - target).pow(2).sum())
 
+    everyone = set(parts)
+    loo = {p: v(everyone) - v(everyone - {p}) for p in parts}
     metric_of = lambda state: -float((state["w"] - target).pow(2).sum())  # noqa: E731
-    loo = RoundScores(LedgerConfig(contribution="loo"), metric_of, seed=0).score_buffer(previous, buffer, lr)
-    assert loo[7] == pytest.approx((v([0, 1, 2]) - v([1, 2])) + (v([0, 1, 2]) - v([0, 1])))
-    assert loo[8] == pytest.approx(v([0, 1, 2]) - v([0, 2]))
-    exact = RoundScores(LedgerConfig(contribution="shapley", shapley_permutations=6), metric_of, seed=0)
-    scores = exact.score_buffer(previous, buffer, lr)  # 3! orders: exact
-    assert sum(scores.values()) == pytest.approx(v([0, 1, 2]) - v([]))
-    assert exact.totals == scores
+    scores = RoundScores(LedgerConfig(contribution="loo"), metric_of, seed=0).score_buffer(previous, buffer, lr)
+    assert scores[7] == pytest.approx(loo[(0, "private")] + loo[(2, "private")] + min(0.0, loo[(2, "unearned")]))
+    assert scores[8] == pytest.approx(loo[(1, "private")])
+    exact = RoundScores(LedgerConfig(contribution="shapley", shapley_permutations=24), metric_of, seed=0)
+    shapley_scores = exact.score_buffer(previous, buffer, lr)  # 4 players, 4! orders: exact
+    assert exact.totals == shapley_scores
+    # the grand coalition is the step FedBuff released (no server momentum)
+    released = previous["w"] + lr * sum(r.weight * (r.arrays["w"] - (r.base or previous)["w"]) for r in buffer) / 6.0
+    assert v(everyone) == pytest.approx(metric_of({"w": released}))
+
+
+def _quadratic(target: torch.Tensor):  # noqa: ANN202
+    return lambda state: -float((state["w"] - target).pow(2).sum())
+
+
+def test_a_replay_of_the_public_step_is_a_null_player_and_honest_updates_earn():
+    """Free-riders (Lin et al. 2019; Fraboni et al. 2021) that send the global model plus any
+    multiple of the last global step (0: a copy of the global model) and claim a weight far above
+    the honest nodes' score at most 0 under LOO and Shapley; honest nodes, whose updates carry
+    information the last step did not, score above every one of them."""
+    from app.config.schema import LedgerConfig
+    from app.run.contributions import RoundScores
+    from strategies.replies import ValidReply
+
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(16, generator=g)
+    before, now = torch.zeros(16), 0.3 * target + 0.05 * torch.randn(16, generator=g)  # the last step: public
+    honest = {i: 0.4 * (target - now) + 0.05 * torch.randn(16, generator=g) for i in range(4)}
+    riders = {10: 1.0, 11: 5.0, 12: 0.0, 13: -1.0}  # node -> multiple of the last step it replays
+    for method in ("loo", "shapley"):
+        scores = RoundScores(LedgerConfig(contribution=method, shapley_permutations=30), _quadratic(target), seed=1)
+        scores.score({"w": before}, [])  # the round before: the server saw the model `before`
+        replies = [ValidReply(i, 100.0, None, {"w": now + u}) for i, u in honest.items()]
+        replies += [ValidReply(i, 1e5, None, {"w": now + s * (now - before)}) for i, s in riders.items()]
+        got = scores.score({"w": now}, replies)
+        assert all(got[i] <= 0.0 for i in riders), (method, got)
+        assert min(got[i] for i in honest) > max(got[i] for i in riders), (method, got)
+        assert got[10] == got[11] == got[12] == 0.0, got  # a replay that helped: exactly nothing
+        assert got[13] < 0.0, got  # undoing the last step did harm: on its account
+
+
+def test_a_scaled_update_earns_no_more_than_its_median_sized_self():
+    """Norm bounding: an honest update sent five times over is credited as the median-norm update
+    (its excess counts only against it), so scaling earns nothing."""
+    from app.config.schema import LedgerConfig
+    from app.run.contributions import RoundScores, bound_norms, orthonormal, split_public
+    from strategies.replies import ValidReply
+
+    updates = [torch.tensor([3.0, 4.0]), torch.tensor([0.0, 1.0]), torch.tensor([6.0, 8.0])]
+    assert [float(u.norm()) for u in bound_norms(updates)] == pytest.approx([5.0, 1.0, 5.0])
+    (q,) = orthonormal([torch.tensor([2.0, 0.0]), torch.tensor([4.0, 0.0])])  # one direction
+    public, private = split_public(torch.tensor([3.0, 0.0]) * 7, [q])
+    assert torch.equal(private, torch.zeros(2)) and public.tolist() == pytest.approx([21.0, 0.0])
+
+    target = torch.tensor([10.0, 10.0, 10.0, 10.0])
+    start = {"w": torch.zeros(4)}
+    u = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    plain = [ValidReply(i, 1.0, None, {"w": u.clone() + 0.01 * i}) for i in range(3)]
+    boosted = [*plain[:2], ValidReply(2, 1.0, None, {"w": 5 * (u + 0.02)})]
+    for method in ("loo", "shapley"):
+        cfg = LedgerConfig(contribution=method, shapley_permutations=24)
+        fair = RoundScores(cfg, _quadratic(target), seed=0).score(start, plain)
+        gamed = RoundScores(cfg, _quadratic(target), seed=0).score(start, boosted)
+        assert gamed[2] <= fair[2] + 1e-6, (method, fair, gamed)

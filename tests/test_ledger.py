@@ -203,19 +203,201 @@ def test_contribution_settings_that_cannot_work_are_refused(overrides, words):
 
 
 def test_each_task_carries_the_receipt_of_the_nodes_previous_reply(tmp_path):
-    from app.client_app import RECEIPTS
+    """Each receipt names the entry that recorded the node's last reply and that reply's hash as
+    recorded, which is the hash the node computed of what it sent; the last reply's receipt, which
+    no task carries, comes from `python -m app.ledger receipts`."""
+    from app.client_app import RECEIPT_MISMATCHES, RECEIPTS, sent_hashes
     from app.client_app import app as client_app
     from app.simulation.local_grid import InProcessGrid
 
     grid = InProcessGrid(client_app, 3)
     grid.contexts[1001].node_config["state-dir"] = str(tmp_path / "site-b")
     summary, _ = run_in_process(FAST.format(rounds=3), tmp_path, grid=grid)
-    entries = read_entries(Path(summary["run_dir"]) / LEDGER_FILE)
+    run = Path(summary["run_dir"])
+    entries = read_entries(run / LEDGER_FILE)
     expected = {str(e["step"]): e["hash"] for e in entries[:2]}  # round 3's receipt would come with round 4
+    recorded = {e["step"]: next(n["reply_sha256"] for n in e["nodes"] if n["node_id"] == 1001) for e in entries}
     for node in (1000, 1001, 1002):
         assert dict(grid.contexts[node].state[RECEIPTS]) == expected
-    kept = [json.loads(line) for line in (tmp_path / "site-b" / "ledger-receipts-run1.jsonl").read_text().splitlines()]
-    assert kept == [{"step": int(k), "hash": v} for k, v in expected.items()]
+        assert RECEIPT_MISMATCHES not in grid.contexts[node].state
+    assert sent_hashes(grid.contexts[1001]) == [recorded[1], recorded[2], recorded[3]]  # the node's own hashes
+    site = tmp_path / "site-b" / "ledger-receipts-run1.jsonl"
+    lines = [json.loads(line) for line in site.read_text().splitlines()]
+    assert [x for x in lines if "step" in x] == [
+        {"node_id": 1001, "step": int(k), "hash": v, "reply_sha256": recorded[int(k)]} for k, v in expected.items()
+    ]
+    assert [x["sent_sha256"] for x in lines if "sent_sha256" in x] == [recorded[1], recorded[2], recorded[3]]
+    cli = [sys.executable, "-m", "app.ledger", "receipts", str(run), "--check", str(site)]
+    out = subprocess.run(cli, capture_output=True, text=True)
+    assert out.returncode == 0, out
+    assert f"last reply: step 3, entry {entries[2]['hash']}, reply {recorded[3]}" in out.stdout
+    kept = subprocess.run([*cli, "--keep"], capture_output=True, text=True)
+    assert kept.returncode == 0 and "kept 1 receipts" in kept.stdout, kept
+    last = json.loads(site.read_text().splitlines()[-1])
+    assert (last["step"], last["hash"], last["reply_sha256"]) == (3, entries[2]["hash"], recorded[3])
+    assert "receipt not in the file" not in subprocess.run(cli, capture_output=True, text=True).stdout
+
+
+def test_a_node_detects_a_receipt_for_a_reply_it_did_not_send(tmp_path, caplog):
+    """A reply altered on its way (or recorded as something else) gets a receipt whose reply hash is
+    none of the node's own: the ClientApp logs it and keeps it, and the site's check names it."""
+    import logging
+
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+    from app.client_app import RECEIPT_MISMATCHES
+    from app.client_app import app as client_app
+    from app.simulation.local_grid import InProcessGrid
+    from tests.helpers import reply_to_same_task
+
+    def alter(node: int, reply: Message) -> Message:
+        if node != 1001 or reply.has_error():
+            return reply
+        state = reply.content["arrays"].to_torch_state_dict()
+        next(t for t in state.values() if t.is_floating_point()).add_(1e-3)
+        content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(dict(reply.content["metrics"]))})
+        return Message(content, reply_to=reply_to_same_task(reply))
+
+    grid = InProcessGrid(client_app, 3, tamper=alter)
+    grid.contexts[1001].node_config["state-dir"] = str(tmp_path / "site-b")
+    with caplog.at_level(logging.WARNING):
+        summary, _ = run_in_process(FAST.format(rounds=2), tmp_path, grid=grid)
+    entries = read_entries(Path(summary["run_dir"]) / LEDGER_FILE)
+    recorded = next(n["reply_sha256"] for n in entries[0]["nodes"] if n["node_id"] == 1001)
+    assert dict(grid.contexts[1001].state[RECEIPT_MISMATCHES]) == {"1": recorded}
+    assert RECEIPT_MISMATCHES not in grid.contexts[1000].state
+    assert any("none of this node's last" in r.getMessage() for r in caplog.records)
+    site = tmp_path / "site-b" / "ledger-receipts-run1.jsonl"
+    assert any(json.loads(line).get("mismatch") for line in site.read_text().splitlines())
+    out = subprocess.run(
+        [sys.executable, "-m", "app.ledger", "receipts", summary["run_dir"], "--check", str(site)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "which is none of the replies it sent" in out.stderr, out
+    assert "is not in the ledger" in out.stderr  # what the node did send was never recorded
+
+
+def test_conflicting_receipts_for_one_step_are_kept_and_reported(tmp_path, caplog):
+    import logging
+
+    from flwr.app import Context, RecordDict
+
+    from app.client_app import RECEIPT_CONFLICTS, RECEIPTS, keep_receipt
+    from app.protocol import RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP
+
+    context = Context(
+        run_id=7, node_id=1001, node_config={"state-dir": str(tmp_path)}, state=RecordDict(), run_config={}
+    )
+    first, second = "a" * 64, "b" * 64
+    with caplog.at_level(logging.WARNING):
+        for digest in (first, second, first, second):  # the same two, twice: kept once each
+            keep_receipt({RECEIPT_STEP: 4, RECEIPT_HASH: digest, RECEIPT_REPLY: "c" * 64}, context)
+    assert dict(context.state[RECEIPTS]) == {"4": first}  # the first receipt is never overwritten
+    assert {k: list(v) for k, v in context.state[RECEIPT_CONFLICTS].items()} == {"4": [second]}
+    assert sum("acknowledged as entry" in r.getMessage() for r in caplog.records) == 1
+    site = tmp_path / "ledger-receipts-run7.jsonl"
+    lines = [json.loads(line) for line in site.read_text().splitlines()]
+    assert [(x["hash"], x.get("conflict", False)) for x in lines] == [(first, False), (second, True)]
+
+    from app.ledger.receipts import check_receipts
+
+    entries = [{"step": 4, "hash": first, "nodes": [{"node_id": 1001, "reply_sha256": "c" * 64}]}]
+    problems, missing = check_receipts(entries, lines, 1001)
+    assert any("conflicting receipts for step 4" in p for p in problems), problems
+    assert any(f"names entry {second[:12]}" in p for p in problems) and missing == []
+
+
+def test_truncating_the_ledger_is_atomic(tmp_path, monkeypatch):
+    """A crash while a resume cuts the ledger back leaves the old file whole, never a part of it."""
+    import app.ledger.chain as chain
+
+    ledger = chain.Ledger(tmp_path)
+    for step in (1, 2, 3):
+        ledger.append({"step": step, "nodes": []})
+    before = (tmp_path / LEDGER_FILE).read_bytes()
+
+    def crash(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(chain.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        ledger.truncate_after(1)
+    assert (tmp_path / LEDGER_FILE).read_bytes() == before
+    monkeypatch.undo()
+    chain.Ledger(tmp_path).truncate_after(1)
+    assert [e["step"] for e in read_entries(tmp_path / LEDGER_FILE)] == [1]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _signed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounds: int = 3) -> tuple[Path, Path, list[str]]:
+    """A signed run, its public key, and ledger.sig as it was after each signing."""
+    import app.ledger.chain as chain
+    from app.ledger.signing import SIGNATURE_FILE
+    from tests.helpers import load_script
+
+    private, public = load_script("credentials").make_ledger_key(tmp_path / "keys")
+    signatures: list[str] = []
+    original = chain.sign_head
+
+    def recording(key, run_dir, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        original(key, run_dir, *args, **kwargs)
+        signatures.append((Path(run_dir) / SIGNATURE_FILE).read_text())
+
+    monkeypatch.setattr(chain, "sign_head", recording)
+    summary, _ = run_in_process(FAST.format(rounds=rounds) + f" ledger.signing_key={private}", tmp_path / "runs")
+    return Path(summary["run_dir"]), public, signatures
+
+
+def test_an_old_signature_over_a_truncated_ledger_fails(tmp_path, monkeypatch):
+    """The operator cuts the ledger back to step 2 and puts back the signature made after step 2
+    (with summary.json to match and without the later model files): the signature says the run
+    was still going then, and verify names it."""
+    from app.ledger.signing import SIGNATURE_FILE
+
+    run, public, signatures = _signed_run(tmp_path, monkeypatch)
+    assert verify_run(run, public) == []
+    assert json.loads((run / SIGNATURE_FILE).read_text())["status"] == "completed"
+    entries = read_entries(run / LEDGER_FILE)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    _write(cut / LEDGER_FILE, entries[:2])
+    (cut / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
+    summary = json.loads((run / "summary.json").read_text())
+    summary["ledger"] |= {"entries": 2, "head": entries[1]["hash"]}
+    (cut / "summary.json").write_text(json.dumps(summary))
+    old = next(s for s in signatures if json.loads(s)["entries"] == 2)
+    (cut / SIGNATURE_FILE).write_text(old)
+    assert verify_run(cut) == []  # the chain alone cannot tell
+    problems = verify_run(cut, public)
+    assert any("signed while the run was going (after step 2" in p for p in problems), problems
+
+
+def test_a_signature_moved_to_another_run_or_config_fails(tmp_path, monkeypatch):
+    from app.ledger.signing import SIGNATURE_FILE
+
+    run, public, _ = _signed_run(tmp_path, monkeypatch, rounds=2)
+    assert verify_run(run, public) == []
+    body = json.loads((run / SIGNATURE_FILE).read_text())
+    # the signed body claims another run: the signature no longer matches it
+    (run / SIGNATURE_FILE).write_text(json.dumps({**body, "run": "0" * 32}))
+    assert any("does not match this public key" in p for p in verify_run(run, public))
+    (run / SIGNATURE_FILE).write_text(json.dumps(body))
+    # the same chain's run id rewritten (and re-chained) under the signature: named
+    copy = _copy(run, tmp_path)
+    (copy / SIGNATURE_FILE).write_text(json.dumps(body))
+    (copy / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
+    entries, prev = read_entries(copy / LEDGER_FILE), "0" * 64
+    for e in entries:
+        e |= {"run": "f" * 32, "prev": prev}
+        e["hash"] = prev = entry_hash(e)
+    _write(copy / LEDGER_FILE, entries)
+    assert any(f"signs run {body['run']}, the ledger is run {'f' * 32}" in p for p in verify_run(copy, public))
+    # another config under the same ledger and signature
+    (run / "config.yaml").write_text((run / "config.yaml").read_text() + "# edited\n")
+    problems = verify_run(run, public)
+    assert any("the signature belongs to another config" in p for p in problems), problems
+    assert any("config.yaml is not the config the last entry (step 2) was recorded under" in p for p in problems)
 
 
 def test_a_signed_ledger_verifies_with_its_public_key_and_a_forgery_fails(tmp_path):
@@ -288,3 +470,57 @@ def test_node_keys_are_named_as_ssh_keygen_prints_them(tmp_path):
     records = [n for e in read_entries(run / LEDGER_FILE) for n in e["nodes"]]
     assert len(records) == 6 and {n["node_id"]: n.get("node_key") for n in records} == {**expected, 1002: None}
     assert KeyedGrid.asked == 1  # asked once, when the ids were new
+
+
+class FreeRiders:
+    """A tamper (InProcessGrid) that turns nodes into free-riders with no data: each sends the
+    global model it was sent plus `scale` times the last global step (w_t + s (w_t - w_{t-1}),
+    public information: Lin et al. 2019's "delta weights" free-rider) and claims the cap."""
+
+    def __init__(self, scales: dict[int, float]) -> None:
+        self.scales = scales  # node -> scale of the replayed step
+        self.grid = None
+        self.globals: dict[int, dict] = {}  # round -> the global model its tasks carried
+
+    def __call__(self, node: int, reply):  # noqa: ANN001, ANN204
+        from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+        from app.protocol import ARRAYS, METRICS, NUM_EXAMPLES, PARTITION_ID, SERVER_ROUND
+        from tests.helpers import reply_to_same_task
+
+        task = next(m for m in self.grid.pushed if m.metadata.message_id == reply.metadata.reply_to_message_id)
+        rnd = int(task.content["config"][SERVER_ROUND])
+        now = self.globals.setdefault(rnd, task.content[ARRAYS].to_torch_state_dict())
+        if node not in self.scales or reply.has_error():
+            return reply
+        before = self.globals.get(rnd - 1, now)
+        s = self.scales[node]
+        arrays = {k: (v + s * (v - before[k]) if v.is_floating_point() else v) for k, v in now.items()}
+        # A node with no data: no partition to be held to, so its claim is cut to
+        # federation.max_examples_per_node only (a deployed node's cap), far above the honest counts.
+        metrics = {k: v for k, v in reply.content[METRICS].items() if k != PARTITION_ID} | {NUM_EXAMPLES: 10**9}
+        content = RecordDict({ARRAYS: ArrayRecord(arrays), METRICS: MetricRecord(metrics)})
+        return Message(content, reply_to=reply_to_same_task(reply))
+
+
+@pytest.mark.parametrize("method", ["loo", "shapley"])
+def test_free_riders_replaying_the_public_step_rank_below_every_honest_node(tmp_path, method):
+    """A free-rider that replays the last global step, and one that replays it five times over,
+    both claiming the cap, score below every honest node (docs/ledger.md#contribution-scores)."""
+    from app.client_app import app as client_app
+    from app.simulation.local_grid import InProcessGrid
+
+    riders = FreeRiders({1003: 1.0, 1004: 5.0})
+    grid = InProcessGrid(client_app, 6, tamper=riders)
+    riders.grid = grid
+    summary, _ = run_in_process(FAST.format(rounds=4) + f" ledger.contribution={method}", tmp_path, grid=grid)
+    run = Path(summary["run_dir"])
+    assert verify_run(run) == []
+    totals = {r["node_id"]: r["contribution"] for r in node_totals(run)}
+    per_round = [
+        {n["node_id"]: round(n["contribution"], 4) for n in e["nodes"]} for e in read_entries(run / LEDGER_FILE)
+    ]
+    print(method, totals, per_round)
+    honest = [totals[n] for n in (1000, 1001, 1002, 1005)]
+    assert max(totals[1003], totals[1004]) < min(honest), (totals, per_round)
+    assert min(honest) > 0, totals  # honest nodes with real data still get positive credit

@@ -1,21 +1,67 @@
-"""python -m app.ledger verify RUN_DIR [--public-key ledger.pub] | report RUN_DIR"""
+"""python -m app.ledger verify RUN_DIR [--public-key ledger.pub] | report RUN_DIR
+| receipts RUN_DIR (--node ID | --check FILE) [--keep]"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
+from app.ledger.chain import LEDGER_FILE, read_entries, verify_chain
+from app.ledger.receipts import check_receipts, node_receipts, nodes_in, read_lines
 from app.ledger.report import write_report
 from app.ledger.verify import verify_run
 
 
+def receipts(run_dir: Path, node: int | None, check: Path | None, keep: bool) -> int:
+    """Print a node's receipts from the ledger (the last reply's included) and, with `check`, what
+    in the site's receipts file contradicts the ledger; exit status 1 on any problem."""
+    entries = read_entries(Path(run_dir) / LEDGER_FILE)
+    problems = [broken] if (broken := verify_chain(entries)) is not None else []
+    lines = read_lines(check) if check is not None else []
+    if node is None:
+        found = nodes_in(lines)
+        if len(found) != 1:
+            print(f"ledger: name the node with --node (the file has {sorted(found) or 'no'} node ids)", file=sys.stderr)
+            return 2
+        (node,) = found
+    held = node_receipts(entries, node)
+    print(f"node {node}: {len(held)} recorded replies")
+    print("| step | entry | reply sha256 | outcome |\n|---:|---|---|---|")
+    for r in held:
+        print(f"| {r['step']} | {r['hash']} | {r['reply_sha256']} | {r['outcome']} |")
+    if held:
+        last = held[-1]
+        print(f"last reply: step {last['step']}, entry {last['hash']}, reply {last['reply_sha256']}")
+    if check is not None:
+        found, missing = check_receipts(entries, lines, node)
+        problems += found
+        for r in missing:
+            print("receipt not in the file: " + json.dumps(r, sort_keys=True))
+        if keep and missing:
+            with Path(check).open("a") as f:
+                for r in missing:
+                    f.write(json.dumps({**r, "source": "ledger"}, sort_keys=True) + "\n")
+            print(f"kept {len(missing)} receipts in {check}")
+    for problem in problems:
+        print(f"ledger: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.ledger", description="Check or total a run's ledger.jsonl.")
-    parser.add_argument("command", choices=("verify", "report"))
+    parser.add_argument("command", choices=("verify", "report", "receipts"))
     parser.add_argument("run_dir", type=Path, help="the run's results directory (holds ledger.jsonl)")
     parser.add_argument("--public-key", type=Path, help="verify: the PEM public key ledger.sig must match")
+    parser.add_argument("--node", type=int, help="receipts: the node id (else the one in --check's file)")
+    parser.add_argument("--check", type=Path, help="receipts: the site's ledger-receipts-run<id>.jsonl to check")
+    parser.add_argument("--keep", action="store_true", help="receipts: append the receipts --check's file lacks")
     args = parser.parse_args(argv)
+    if args.command == "receipts":
+        if args.node is None and args.check is None:
+            parser.error("receipts needs --node or --check")
+        return receipts(args.run_dir, args.node, args.check, args.keep)
     if args.command == "verify":
         problems = verify_run(args.run_dir, args.public_key)
         for problem in problems:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,28 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from app.ledger.signing import sign_head
+from app.ledger.signing import RUNNING, sign_head, utc_now
 
 GENESIS = "0" * 64  # `prev` of a chain's first entry
 LEDGER_FILE = "ledger.jsonl"
+CONFIG_FILE = "config.yaml"  # the run's resolved config, as app/run/results.py saves it
+
+
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file's bytes; None when there is no such file."""
+    path = Path(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` through a temporary file in the same directory and os.replace:
+    a crash leaves the old file or the new one, never a part of either."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def model_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -51,9 +71,12 @@ class Ledger:
     def __init__(self, run_dir: Path, signing_key: ec.EllipticCurvePrivateKey | None = None) -> None:
         self.path = Path(run_dir) / LEDGER_FILE
         self.signing_key = signing_key  # signs the head after every entry (app/ledger/signing.py)
+        self.config_sha256 = file_digest(Path(run_dir) / CONFIG_FILE)  # saved before the ledger opens
+        self.run_id = uuid.uuid4().hex  # a new chain's; a resumed one keeps its own (_continue)
         self.head = GENESIS
         self.length = 0
-        self.receipts: dict[int, tuple[int, str]] = {}  # node -> (step, hash) of the entry with its last reply
+        # node -> (step, entry hash, reply_sha256) of the entry that recorded its last reply
+        self.receipts: dict[int, tuple[int, str, str]] = {}
         if self.path.exists():
             entries = read_entries(self.path)
             if (problem := verify_chain(entries)) is not None:
@@ -61,8 +84,9 @@ class Ledger:
             self._continue(entries)
 
     def _continue(self, entries: list[dict[str, Any]]) -> None:
-        """Take up the chain after `entries`: its head, length and the nodes' latest receipts."""
+        """Take up the chain after `entries`: its run id, head, length and the nodes' latest receipts."""
         self.head, self.length, self.receipts = GENESIS, 0, {}
+        self.run_id = next((e["run"] for e in entries if "run" in e), self.run_id)
         for entry in entries:
             self._advance(entry)
 
@@ -70,27 +94,55 @@ class Ledger:
         self.head, self.length = entry["hash"], self.length + 1
         for node in entry.get("nodes", []):
             if "reply_sha256" in node:  # the entry records a reply of this node: its next task says so
-                self.receipts[node["node_id"]] = (entry["step"], entry["hash"])
+                self.receipts[node["node_id"]] = (entry["step"], entry["hash"], node["reply_sha256"])
 
     def truncate_after(self, step: int) -> None:
-        """Drop entries past `step` (a resume re-runs the steps after its checkpoint)."""
+        """Drop entries past `step` (a resume re-runs the steps after its checkpoint), atomically,
+        and sign the shorter head."""
         if not self.path.exists():
             return
-        entries = [e for e in read_entries(self.path) if e["step"] <= step]
-        self.path.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in entries))
-        self._continue(entries)
+        entries = read_entries(self.path)
+        kept = [e for e in entries if e["step"] <= step]
+        if len(kept) == len(entries):
+            return
+        write_atomically(self.path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in kept))
+        self._continue(kept)
+        self._sign(RUNNING)
 
     def append(self, entry: dict[str, Any]) -> str:
-        """Chain `entry` (sets `prev` and `hash`), write it, and return its hash."""
-        entry = {**entry, "prev": self.head}
+        """Chain `entry` (sets `run`, `config_sha256`, `recorded_at`, `prev` and `hash`), write it,
+        sign the new head, and return its hash."""
+        entry = {
+            **entry,
+            "run": self.run_id,
+            "config_sha256": self.config_sha256,
+            "recorded_at": utc_now(),
+            "prev": self.head,
+        }
         entry["hash"] = entry_hash(entry)
         with self.path.open("a") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
         self._advance(entry)
-        if self.signing_key is not None:
-            sign_head(self.signing_key, self.path.parent, self.head, self.length)
+        self._sign(RUNNING)
         return entry["hash"]
+
+    def seal(self, status: str) -> None:
+        """Sign the head as the run's last (`status`: completed, stopped, failed): a signature made
+        while the run was going (`running`) then no longer passes for the end of the run."""
+        self._sign(status)
+
+    def _sign(self, status: str) -> None:
+        if self.signing_key is not None:
+            sign_head(
+                self.signing_key,
+                self.path.parent,
+                head=self.head,
+                entries=self.length,
+                run=self.run_id,
+                config_sha256=self.config_sha256,
+                status=status,
+            )
 
 
 def read_entries(path: Path) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 - the chain: every entry hashes to its `hash` and links to the one before (chain.verify_chain);
 - its end: summary.json records the head hash and the number of entries, so an entry cut off the
   end is caught too;
-- its signature (with the operator's public key): `ledger.sig` signs this head and count;
+- its config: `config.yaml` hashes to the `config_sha256` the last entry was recorded under;
+- its signature (with the operator's public key): `ledger.sig` signs this head and count, this
+  run's id and config, after the last entry, as the run's final (sealed) signature;
 - the models: `model_final.pt` hashes to the last entry's `model_after`, and `checkpoint.pt` to
   the `model_after` of the step it was saved after.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from app.ledger.chain import LEDGER_FILE, model_digest, read_entries, verify_chain
+from app.ledger.chain import CONFIG_FILE, LEDGER_FILE, file_digest, model_digest, read_entries, verify_chain
 from app.ledger.signing import check_signature
 
 
@@ -34,8 +36,11 @@ def verify_run(run_dir: Path, public_key: Path | None = None) -> list[str]:
     if (broken := verify_chain(entries)) is not None:
         problems.append(broken)
     summary_path = run_dir / "summary.json"
+    summary_status = None
     if summary_path.exists():
-        recorded = json.loads(summary_path.read_text()).get("ledger")
+        summary = json.loads(summary_path.read_text())
+        summary_status = summary.get("status")
+        recorded = summary.get("ledger")
         if recorded is not None:
             head = entries[-1]["hash"] if entries else None
             if recorded["entries"] != len(entries) or (entries and recorded["head"] != head):
@@ -45,10 +50,14 @@ def verify_run(run_dir: Path, public_key: Path | None = None) -> list[str]:
                     + (f" ending in {head[:12]}" if head else "")
                     + ": entries were removed or added at the end"
                 )
-    if public_key is not None and (
-        problem := check_signature(run_dir, public_key, entries[-1]["hash"] if entries else None, len(entries))
-    ):
-        problems.append(problem)
+    config = file_digest(run_dir / CONFIG_FILE)
+    last_config = entries[-1].get("config_sha256") if entries else None
+    if config is not None and last_config is not None and config != last_config:
+        problems.append(
+            f"{CONFIG_FILE} is not the config the last entry (step {entries[-1]['step']}) was recorded under"
+        )
+    if public_key is not None:
+        problems += check_signature(run_dir, public_key, entries, config, summary_status)
     final = run_dir / "model_final.pt"
     if entries and final.exists():
         state = torch.load(final, map_location="cpu", weights_only=True)

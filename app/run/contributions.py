@@ -1,88 +1,204 @@
 """Contribution scores of one synchronous round or FedBuff version (`ledger.contribution`): each
 node's leave-one-out or Shapley value for the server's validation metric, from the updates the
-step had (app/ledger/contribution.py has the maths).
+step had (app/ledger/contribution.py has the game theory; this module builds the game).
 
-A coalition's model is what a plain mean of its members' updates would have made: in a round,
-the weighted mean of their models (their capped weights), as FedAvg; in a FedBuff version, the
-model before the version plus `server_lr` times the weighted mean of their buffered updates
-(capped counts times the staleness factor), each taken from the model it trained from, without
-server momentum. The empty coalition is the model before the step. The scores thus measure what
-a node's update was worth to a plain mean, also under a robust rule (which may have left it out:
-the ledger records that separately).
+What a node is credited for (the assumptions, in the order they are applied):
+
+1. **The released step, with the run's own weights.** Node j's update Δ_j is its model minus
+   the model it trained from, and it enters the step with the share the aggregation gave it:
+   s_j = w_j / W, its capped weight over the step's total (FedBuff: times `server_lr`, with the
+   staleness factor in w_j). Shares are *not* renormalised per coalition: a coalition's model is
+   the model before the step plus its members' parts of the released step, so the grand
+   coalition is the step the run released and a node that adds nothing is a null player
+   (exactly 0 under both methods), not a weight that dilutes or sharpens the others.
+2. **Magnitude is not merit.** Every update is clipped to the median update norm of the step
+   (norm bounding, as Sun et al. 2019, "Can You Really Backdoor Federated Learning?"): a node
+   cannot buy credit by scaling its update (or a copy of anything) up.
+3. **Public information earns nothing.** A replay of the last global steps (w_t + a (w_t -
+   w_{t-1}), the "delta weights" free-rider of Lin et al. 2019, "Free-riders in Federated
+   Learning: Attacks and Defenses"; the plain copy of the global model of Fraboni et al. 2021,
+   "Free-rider Attacks on Model Aggregation in Federated Learning", is a = 0) is computable by
+   anyone who was sent the models. Each clipped update is split into its projection on the span
+   of the last public steps (the last global step; FedBuff: the last 1 + the buffer's greatest
+   staleness, at most PUBLIC_STEPS) and the rest, its private part. Both parts are players of
+   the game; a node's score is the value of its private part plus its public part's value *only
+   when that is negative*: a public direction can cost a node (an update that undoes the last
+   step) but never earns it anything. A replay at any scale therefore scores at most 0, and
+   exactly 0 when its public part helped; honest nodes are credited for what their data added
+   beyond the last step (`tests/test_ledger.py`, free-riders; `tests/test_contribution.py`).
+
+The empty coalition is the model before the step. Under a robust rule the game is still the
+weighted mean of the valid replies (the rule may have left some out: the ledger's outcome says
+so); central DP is refused (app/config/validate.py).
 """
 
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from app.config.schema import LedgerConfig
 from app.ledger.contribution import CachedValue, leave_one_out, shapley
-from strategies.fedbuff import server_step
 from strategies.replies import ValidReply
-from strategies.robust_ops import weighted_update_mean
-from strategies.tensor_ops import TensorDict, weighted_mean
+from strategies.tensor_ops import TensorDict
 
 CPU = torch.device("cpu")
+PUBLIC_STEPS = 4  # global steps kept as public directions (FedBuff's stale updates saw older ones)
+PRIVATE_TOLERANCE = 1e-4  # a private part below this fraction of its update is rounding: zero
+
+
+def flat(state: TensorDict, keys: Sequence[str], base: TensorDict | None = None) -> torch.Tensor:
+    """`state`'s `keys` (minus `base`'s, subtracted in float64) as one float32 vector: the update
+    space the scores work in."""
+    parts = []
+    for k in keys:
+        t = state[k].detach().to(CPU, torch.float64).reshape(-1)
+        if base is not None:
+            t = t - base[k].detach().to(CPU, torch.float64).reshape(-1)
+        parts.append(t.float())
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a.double(), b.double()))
+
+
+def bound_norms(updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each update clipped to the median L2 norm of `updates` (longer ones scaled down to it)."""
+    if not updates:
+        return []
+    norms = [_dot(u, u) ** 0.5 for u in updates]
+    bound = statistics.median(norms)
+    return [u * (bound / n) if n > bound else u for u, n in zip(updates, norms, strict=True)]
+
+
+def orthonormal(steps: Sequence[torch.Tensor], tolerance: float = 1e-6) -> list[torch.Tensor]:
+    """An orthonormal basis of the span of `steps` (Gram-Schmidt in float64, twice over for
+    stability; a step that adds no new direction is dropped)."""
+    basis: list[torch.Tensor] = []
+    for step in steps:
+        v = step.double()
+        size = float(v.norm())
+        if size == 0.0:
+            continue
+        for _ in range(2):
+            for q in basis:
+                q64 = q.double()
+                v -= torch.dot(v, q64) * q64
+        if float(v.norm()) > tolerance * size:
+            basis.append((v / v.norm()).float())
+    return basis
+
+
+def split_public(update: torch.Tensor, basis: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the update's projection on the span of the orthonormal `basis`, the rest); a rest smaller
+    than PRIVATE_TOLERANCE of the update is the rounding of a public update: exact zeros."""
+    u = update.double()
+    public = torch.zeros_like(u)
+    for q in basis:
+        q64 = q.double()
+        public += torch.dot(u, q64) * q64
+    private = u - public
+    if float(private.norm()) <= PRIVATE_TOLERANCE * float(u.norm()):
+        private.zero_()
+    return public.float(), private.float()
 
 
 class RoundScores:
-    """Scores per step, and their running totals per node."""
+    """Scores per step, and their running totals per node; remembers the last models released,
+    whose differences are the public steps."""
 
     def __init__(self, cfg: LedgerConfig, metric_of: Callable[[TensorDict], float], seed: int) -> None:
         self.cfg, self.metric_of = cfg, metric_of
         self.rng = random.Random(seed)
         self.totals: dict[int, float] = {}
         self.evaluations = 0
+        self._last: torch.Tensor | None = None  # the model before the previous step, flat
+        self._steps: deque[torch.Tensor] = deque(maxlen=PUBLIC_STEPS)  # newest last
 
     def score(self, previous: TensorDict, valid: list[ValidReply]) -> dict[int, float]:
         """node id -> this round's score (empty without a valid reply)."""
-        by_node = {r.node_id: r for r in valid}
-
-        def model(members: Sequence[int]) -> TensorDict:
-            replies = [by_node[i] for i in members]
-            return weighted_mean([r.arrays for r in replies], [r.weight for r in replies], CPU)
-
-        return self._by_node(self._score(previous, list(by_node), model), by_node)
+        replies = dict(enumerate(valid))
+        total = sum(r.weight for r in valid)
+        shares = {i: r.weight / total for i, r in replies.items()} if total > 0 else {}
+        return self._by_node(self._score(previous, replies, shares, {i: previous for i in replies}, 1), replies)
 
     def score_buffer(self, previous: TensorDict, buffer: list[ValidReply], server_lr: float) -> dict[int, float]:
         """node id -> this FedBuff version's score, summed over the node's updates in the buffer
-        (a fast node may have two there)."""
+        (a fast node may have two there), each taken from the model it trained from."""
         entries = dict(enumerate(buffer))
+        total = sum(r.weight for r in buffer)
+        shares = {i: server_lr * r.weight / total for i, r in entries.items()} if total > 0 else {}
+        bases = {i: r.base if r.base is not None else previous for i, r in entries.items()}
+        recent = 1 + max((r.staleness for r in buffer), default=0)
+        return self._by_node(self._score(previous, entries, shares, bases, recent), entries)
 
-        def model(members: Sequence[int]) -> TensorDict:
-            replies = [entries[i] for i in members]
-            bases = [r.base if r.base is not None else previous for r in replies]
-            update = weighted_update_mean([r.arrays for r in replies], bases, [r.weight for r in replies], CPU)
-            return server_step(previous, update, server_lr, 0.0, None)[0]
-
-        return self._by_node(self._score(previous, list(entries), model), entries)
+    def _public_basis(self, now: torch.Tensor, recent: int) -> list[torch.Tensor]:
+        """Record the step that led to `now` (the model before this step) and return an orthonormal
+        basis of the last `recent` public steps."""
+        if self._last is not None and self._last.shape == now.shape:
+            step = now - self._last
+            if float(step.norm()) > 0:
+                self._steps.append(step)
+        self._last = now
+        return orthonormal(list(self._steps)[-recent:])
 
     def _score(
-        self, previous: TensorDict, players: list[int], model: Callable[[Sequence[int]], TensorDict]
+        self,
+        previous: TensorDict,
+        replies: dict[int, ValidReply],
+        shares: dict[int, float],
+        bases: dict[int, TensorDict],
+        recent: int,
     ) -> dict[int, float]:
-        """player -> score, where a coalition is worth metric_of(model(its sorted members))."""
-        if not players:
+        """entry -> score in the game of the module docstring."""
+        keys = sorted(k for k, t in previous.items() if t.is_floating_point())
+        start = flat(previous, keys)
+        basis = self._public_basis(start, recent)
+        if not replies or not shares:
             return {}
+        updates = [flat(replies[i].arrays, keys, bases[i]) for i in replies]
+        parts: dict[tuple[int, str], torch.Tensor] = {}
+        for i, update, bounded in zip(replies, updates, bound_norms(updates), strict=True):
+            _, private = split_public(bounded, basis)
+            for name, part in (("private", private), ("unearned", update - private)):
+                if bool(part.any()):  # a zero part is a null player: left out, scored 0
+                    parts[(i, name)] = part * shares[i]
+        players = sorted(parts)
 
-        def value(coalition: frozenset[int]) -> float:
-            return self.metric_of(model(sorted(coalition)) if coalition else previous)
+        def model(coalition: frozenset[tuple[int, str]]) -> TensorDict:
+            v = start.clone()
+            for p in sorted(coalition):  # one order: the same coalition gives the same bits
+                v += parts[p]
+            out, offset = dict(previous), 0
+            for k in keys:
+                n = previous[k].numel()
+                out[k] = v[offset : offset + n].reshape(previous[k].shape).to(previous[k].dtype)
+                offset += n
+            return out
 
-        cached = CachedValue(value)
-        if self.cfg.contribution == "loo":
-            scores = leave_one_out(cached, players)
-        else:
-            scores = shapley(cached, players, self.cfg.shapley_permutations, self.rng, self.cfg.shapley_tolerance)
-        self.evaluations += cached.evaluations
-        return scores
+        def value(coalition: frozenset[tuple[int, str]]) -> float:
+            return self.metric_of(model(coalition) if coalition else previous)
+
+        game: dict[tuple[int, str], float] = {}
+        if players:
+            cached = CachedValue(value)
+            if self.cfg.contribution == "loo":
+                game = leave_one_out(cached, players)
+            else:
+                game = shapley(cached, players, self.cfg.shapley_permutations, self.rng, self.cfg.shapley_tolerance)
+            self.evaluations += cached.evaluations
+        return {i: game.get((i, "private"), 0.0) + min(0.0, game.get((i, "unearned"), 0.0)) for i in replies}
 
     def _by_node(self, scores: dict[int, float], replies: dict[int, ValidReply]) -> dict[int, float]:
-        """Player scores summed per node, and added to the running totals."""
+        """Entry scores summed per node, and added to the running totals."""
         out: dict[int, float] = {}
-        for player, s in scores.items():
-            node = replies[player].node_id
+        for entry, s in scores.items():
+            node = replies[entry].node_id
             out[node] = out.get(node, 0.0) + s
         for node, s in out.items():
             self.totals[node] = self.totals.get(node, 0.0) + s

@@ -27,7 +27,7 @@ from app.config.schema import Config, ConfigError, FleetConfig
 from app.ledger.chain import Ledger, model_digest
 from app.ledger.nodes import NodeKeys
 from app.ledger.signing import load_signing_key
-from app.protocol import RECEIPT_HASH, RECEIPT_STEP, ROUNDS_KEY, to_client_record
+from app.protocol import LEDGER_ON, RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP, ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from app.run.contributions import RoundScores
 from app.run.factory import (
@@ -619,6 +619,7 @@ class FederatedRun:
                 **self.strategy.run_summary(),
             }
             if self.ledger is not None:
+                self.ledger.seal(status)  # the signature now says the run ended here (app/ledger/signing.py)
                 extra["ledger"] = {
                     "file": str(self.ledger.path),
                     "entries": self.ledger.length,
@@ -640,12 +641,13 @@ class FederatedRun:
 
 def with_receipts(prior: NodeConfig | None, ledger: Ledger) -> NodeConfig:
     """The per-node task config (`strategy.node_config`, e.g. local DP's) plus the node's receipt:
-    the step and hash of the ledger entry that recorded its previous reply."""
+    the step and hash of the ledger entry that recorded its previous reply, and that reply's hash
+    as recorded (the node compares it with its own: docs/ledger.md#receipts)."""
 
     def per_node(node: int, connected: Collection[int]) -> dict[str, Any]:
-        extra = prior(node, connected) if prior is not None else {}
+        extra = {**(prior(node, connected) if prior is not None else {}), LEDGER_ON: True}
         if (receipt := ledger.receipts.get(node)) is not None:
-            extra = {**extra, RECEIPT_STEP: receipt[0], RECEIPT_HASH: receipt[1]}
+            extra |= {RECEIPT_STEP: receipt[0], RECEIPT_HASH: receipt[1], RECEIPT_REPLY: receipt[2]}
         return extra
 
     return per_node
