@@ -520,7 +520,6 @@ def test_free_riders_replaying_the_public_step_rank_below_every_honest_node(tmp_
     per_round = [
         {n["node_id"]: round(n["contribution"], 4) for n in e["nodes"]} for e in read_entries(run / LEDGER_FILE)
     ]
-    print(method, totals, per_round)
     honest = [totals[n] for n in (1000, 1001, 1002, 1005)]
     assert max(totals[1003], totals[1004]) < min(honest), (totals, per_round)
     assert min(honest) > 0, totals  # honest nodes with real data still get positive credit
