@@ -11,21 +11,26 @@ What a node is credited for (the assumptions, in the order they are applied):
    the model before the step plus its members' parts of the released step, so the grand
    coalition is the step the run released and a node that adds nothing is a null player
    (exactly 0 under both methods), not a weight that dilutes or sharpens the others.
-2. **Magnitude is not merit.** Every update is clipped to the median update norm of the step
-   (norm bounding, as Sun et al. 2019, "Can You Really Backdoor Federated Learning?"): a node
-   cannot buy credit by scaling its update (or a copy of anything) up.
+2. **Magnitude is not merit.** Every update is credited up to the median update norm of the
+   step (norm bounding, as Sun et al. 2019, "Can You Really Backdoor Federated Learning?"): a
+   node cannot buy credit by scaling its update (or a copy of anything) up.
 3. **Public information earns nothing.** A replay of the last global steps (w_t + a (w_t -
    w_{t-1}), the "delta weights" free-rider of Lin et al. 2019, "Free-riders in Federated
    Learning: Attacks and Defenses"; the plain copy of the global model of Fraboni et al. 2021,
    "Free-rider Attacks on Model Aggregation in Federated Learning", is a = 0) is computable by
-   anyone who was sent the models. Each clipped update is split into its projection on the span
+   anyone who was sent the models. Each bounded update is split into its projection on the span
    of the last public steps (the last global step; FedBuff: the last 1 + the buffer's greatest
-   staleness, at most PUBLIC_STEPS) and the rest, its private part. Both parts are players of
-   the game; a node's score is the value of its private part plus its public part's value *only
-   when that is negative*: a public direction can cost a node (an update that undoes the last
-   step) but never earns it anything. A replay at any scale therefore scores at most 0, and
-   exactly 0 when its public part helped; honest nodes are credited for what their data added
-   beyond the last step (`tests/test_ledger.py`, free-riders; `tests/test_contribution.py`).
+   staleness, at most PUBLIC_STEPS) and the rest, its private part.
+
+Each node thus brings two players to the game: its private part, and everything else its update
+did to the released step (the public component and the excess over the median: "unearned").
+Its score is the value of its private part plus the unearned part's value *only when that is
+negative*: a public direction or sheer size can cost a node (an update that undoes the last
+step, a boosted sign flip) but never earns it anything. A replay at any scale therefore scores
+at most 0, and exactly 0 when it helped; honest nodes are credited for what their data added
+beyond the last step (`tests/test_ledger.py`, free-riders; `tests/test_contribution.py`).
+Assumption: the public steps are the ones this process saw (after a resume the first step has
+none on record), and a node's private information is whatever is not in their span.
 
 The empty coalition is the model before the step. Under a robust rule the game is still the
 weighted mean of the valid replies (the rule may have left some out: the ledger's outcome says
