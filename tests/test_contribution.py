@@ -167,3 +167,33 @@ def test_a_scaled_update_earns_no_more_than_its_median_sized_self():
         fair = RoundScores(cfg, _quadratic(target), seed=0).score(start, plain)
         gamed = RoundScores(cfg, _quadratic(target), seed=0).score(start, boosted)
         assert gamed[2] <= fair[2] + 1e-6, (method, fair, gamed)
+
+
+def test_under_a_robust_rule_a_claim_buys_no_share_and_an_excluded_update_scores_nothing():
+    """Robust rules ignore claimed counts: two equal updates score alike whatever they claim, an
+    update the rule excluded is a null player, and a skipped step scores nobody (the shares are
+    the rule's, not the claims')."""
+    from app.config.schema import LedgerConfig
+    from app.run.contributions import RoundScores, step_shares
+    from strategies.replies import ValidReply
+
+    target = torch.tensor([1.0, 1.0, 0.0])
+    start = {"w": torch.zeros(3)}
+    u = torch.tensor([0.5, 0.5, 0.0])
+    replies = [
+        ValidReply(1, 10.0, None, {"w": u.clone()}),
+        ValidReply(2, 1e5, None, {"w": u.clone()}),  # the same update, claiming ten thousand times more
+        ValidReply(3, 10.0, None, {"w": u + torch.tensor([0.0, 0.0, 0.1])}),
+        ValidReply(4, 10.0, None, {"w": -4 * u}),  # excluded by the rule
+    ]
+    krum = {"selected": [1, 2, 3], "excluded": [4], "scores": {}, "policy": None}
+    assert step_shares(dict(enumerate(replies)), krum) == pytest.approx({0: 1 / 3, 1: 1 / 3, 2: 1 / 3, 3: 0.0})
+    for method in ("loo", "shapley"):
+        cfg = LedgerConfig(contribution=method, shapley_permutations=24, shapley_tolerance=0.0)  # exact
+        got = RoundScores(cfg, _quadratic(target), seed=0).score(start, replies, krum)
+        assert got[1] == pytest.approx(got[2]) and got[1] > 0, (method, got)
+        assert got[4] == 0.0, got
+        mean = RoundScores(cfg, _quadratic(target), seed=0).score(start, replies)  # a mean: claims weigh
+        assert mean[2] > mean[1], (method, mean)
+        skipped = RoundScores(cfg, _quadratic(target), seed=0).score(start, replies, {**krum, "policy": "skip"})
+        assert not any(skipped.values()), skipped

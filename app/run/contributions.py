@@ -5,9 +5,11 @@ step had (app/ledger/contribution.py has the game theory; this module builds the
 What a node is credited for (the assumptions, in the order they are applied):
 
 1. **The released step, with the run's own weights.** Node j's update Δ_j is its model minus
-   the model it trained from, and it enters the step with the share the aggregation gave it:
-   s_j = w_j / W, its capped weight over the step's total (FedBuff: times `server_lr`, with the
-   staleness factor in w_j). Shares are *not* renormalised per coalition: a coalition's model is
+   the model it trained from, and it enters the step with the share the aggregation gave it
+   (`step_shares`): under a mean, s_j = w_j / W, its capped weight over the step's total
+   (FedBuff: times `server_lr`, with the staleness factor in w_j); under a robust rule, which
+   ignores claimed counts, the replies it kept count alike (FedBuff: by their staleness factor)
+   and the ones it excluded not at all, so a claim buys no share there. Shares are *not* renormalised per coalition: a coalition's model is
    the model before the step plus its members' parts of the released step, so the grand
    coalition is the step the run released and a node that adds nothing is a null player
    (exactly 0 under both methods), not a weight that dilutes or sharpens the others.
@@ -32,9 +34,10 @@ beyond the last step (`tests/test_ledger.py`, free-riders; `tests/test_contribut
 Assumption: the public steps are the ones this process saw (after a resume the first step has
 none on record), and a node's private information is whatever is not in their span.
 
-The empty coalition is the model before the step. Under a robust rule the game is still the
-weighted mean of the valid replies (the rule may have left some out: the ledger's outcome says
-so); central DP is refused (app/config/validate.py).
+The empty coalition is the model before the step. Under Krum and Multi-Krum the kept replies'
+equal-share mean is the step the rule released; the median and the trimmed mean are not sums of
+per-node parts, and their game is the equal-share mean of the kept replies, which the rule
+approximates (a skipped step scores nobody). Central DP is refused (app/config/validate.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import random
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -113,6 +117,21 @@ def split_public(update: torch.Tensor, basis: Sequence[torch.Tensor]) -> tuple[t
     return public.float(), private.float()
 
 
+def step_shares(entries: dict[int, ValidReply], robust: dict[str, Any] | None, lr: float = 1.0) -> dict[int, float]:
+    """entry -> its share of the released step: a mean's capped weight over the total; a robust
+    rule's kept replies alike (by the staleness factor `scale`), its excluded ones 0 (null
+    players); nothing when the rule skipped the step. Times the server learning rate `lr`."""
+    if robust is None:
+        weights = {i: r.weight for i, r in entries.items()}
+    elif robust.get("policy") == "skip":
+        return {}
+    else:
+        excluded = set(robust.get("excluded") or [])
+        weights = {i: 0.0 if r.node_id in excluded else r.scale for i, r in entries.items()}
+    total = sum(weights.values())
+    return {i: lr * w / total for i, w in weights.items()} if total > 0 else {}
+
+
 class RoundScores:
     """Scores per step, and their running totals per node; remembers the last models released,
     whose differences are the public steps."""
@@ -125,19 +144,23 @@ class RoundScores:
         self._last: torch.Tensor | None = None  # the model before the previous step, flat
         self._steps: deque[torch.Tensor] = deque(maxlen=PUBLIC_STEPS)  # newest last
 
-    def score(self, previous: TensorDict, valid: list[ValidReply]) -> dict[int, float]:
-        """node id -> this round's score (empty without a valid reply)."""
+    def score(
+        self, previous: TensorDict, valid: list[ValidReply], robust: dict[str, Any] | None = None
+    ) -> dict[int, float]:
+        """node id -> this round's score (empty without a valid reply); `robust`: the robust
+        rule's report (`strategy.robust_row()`), None under a mean."""
         replies = dict(enumerate(valid))
-        total = sum(r.weight for r in valid)
-        shares = {i: r.weight / total for i, r in replies.items()} if total > 0 else {}
+        shares = step_shares(replies, robust)
         return self._by_node(self._score(previous, replies, shares, {i: previous for i in replies}, 1), replies)
 
-    def score_buffer(self, previous: TensorDict, buffer: list[ValidReply], server_lr: float) -> dict[int, float]:
+    def score_buffer(
+        self, previous: TensorDict, buffer: list[ValidReply], server_lr: float, robust: dict[str, Any] | None = None
+    ) -> dict[int, float]:
         """node id -> this FedBuff version's score, summed over the node's updates in the buffer
-        (a fast node may have two there), each taken from the model it trained from."""
+        (a fast node may have two there), each taken from the model it trained from; `robust`:
+        the buffer rule's report (None: the mean buffer)."""
         entries = dict(enumerate(buffer))
-        total = sum(r.weight for r in buffer)
-        shares = {i: server_lr * r.weight / total for i, r in entries.items()} if total > 0 else {}
+        shares = step_shares(entries, robust, server_lr)
         bases = {i: r.base if r.base is not None else previous for i, r in entries.items()}
         recent = 1 + max((r.staleness for r in buffer), default=0)
         return self._by_node(self._score(previous, entries, shares, bases, recent), entries)
@@ -171,7 +194,7 @@ class RoundScores:
         for i, update, bounded in zip(replies, updates, bound_norms(updates), strict=True):
             _, private = split_public(bounded, basis)
             for name, part in (("private", private), ("unearned", update - private)):
-                if bool(part.any()):  # a zero part is a null player: left out, scored 0
+                if shares.get(i, 0.0) and bool(part.any()):  # a zero part is a null player: left out, scored 0
                     parts[(i, name)] = part * shares[i]
         players = sorted(parts)
 

@@ -484,7 +484,9 @@ class FederatedRun:
             }
             nodes = round_nodes(messages, replies, report, cfg.strategy.name)
             if self.scores is not None:
-                self.record_scores(nodes, self.scores.score(record_to_tensors(previous), strategy.last_valid))
+                self.record_scores(
+                    nodes, self.scores.score(record_to_tensors(previous), strategy.last_valid, strategy.robust_row())
+                )
             self.finish_round(rnd, row, nodes, client_metrics)
             log.info(
                 "[round %d/%d] %s  %.1fs%s  clients %d  rejected %d%s",
@@ -521,7 +523,9 @@ class FederatedRun:
             last = now
             nodes = version_nodes(report, cfg.strategy.buffer_aggregator)
             if self.scores is not None:
-                scores = self.scores.score_buffer(strategy.last_base, strategy.last_buffer, strategy.server_lr)
+                scores = self.scores.score_buffer(
+                    strategy.last_base, strategy.last_buffer, strategy.server_lr, report.robust
+                )
                 self.record_scores(nodes, scores)
             self.finish_round(v, row, nodes, report.client_metrics)
             log.info(
