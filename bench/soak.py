@@ -224,6 +224,20 @@ class Soak:
         os.kill(rec.pid, signal.SIGKILL)
         return f"SIGKILL {rec.pid}"
 
+    def leftover_clientapps(self) -> list[dict[str, Any]]:
+        """ClientApp processes still alive once the run has completed: tasks of runs that died
+        (a killed ServerApp, a restarted SuperLink) whose processes never exited."""
+        fed, table = self.deployment(), local_deployment._proc_table()
+        ticks = os.sysconf("SC_CLK_TCK")
+        boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+        left = []
+        for name in sorted(n for n in fed.procs if n.startswith("node-")):
+            for pid in sorted(local_deployment.owned_processes([fed.procs[name]])):
+                if "flwr-clientapp" in local_deployment._cmdline(pid) and pid in table:
+                    age = time.time() - (boot + table[pid].start / ticks)
+                    left.append({"node": name, "pid": pid, "age_s": round(age), "rss_mib": _rss_mib(pid)})
+        return left
+
     # ------------------------------------------------------------------ the run
 
     def supervisor(self, log: Path) -> subprocess.Popen:
@@ -271,6 +285,7 @@ class Soak:
                 time.sleep(0.5)
             result["supervisor_exit"] = sup.returncode
             result["wall_time_s"] = round(self.now(), 1)
+            result["clientapps_left_running"] = self.leftover_clientapps()
             time.sleep(1.0)  # the watcher's last look
         except Exception as err:  # noqa: BLE001 - recorded in the result, which says ok: false
             result["error"] = f"{type(err).__name__}: {err}"
@@ -289,14 +304,17 @@ class Soak:
             except Exception as err:  # noqa: BLE001
                 result["down"] = f"FAILED: {err}"
         result["supervisor"] = supervisor_attempts(log)
+        result["round_log"] = round_lines(log)
         if watch is not None:
             result["round_first_seen_s"] = {str(k): round(v, 1) for k, v in sorted(watch.first_seen.items())}
             result["metrics_rewritten"] = watch.shrunk
         result.update(self.costs(events, watch))
         result.update(check(self.run_dir, plan, self.reference))
+        result["total_s"] = round(self.now(), 1)  # with the checks and the uninterrupted run
+        recovered = all(e["fired"] for e in result["recoveries"].values())
         result["ok"] = bool(
             "error" not in result and result.get("supervisor_exit") == 0 and result["rounds"]["seen_once"]
-            and result["ledger"]["ok"] and result["epsilon"]["ok"] and all(e["fired"] for e in result["recoveries"].values())
+            and result["ledger"]["ok"] and result["epsilon"]["ok"] and recovered
         )  # fmt: skip
         if not result["ok"]:
             result["supervisor_log_tail"] = strip_colours(_tail(log, 6000))
@@ -382,6 +400,21 @@ def supervisor_attempts(log: Path) -> list[dict[str, str]]:
     return [{"attempt": a, "run_id": r, "outcome": o.strip()} for a, r, o in found]
 
 
+def _rss_mib(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) >> 10 for line in status.splitlines() if line.startswith("VmRSS:")), None)
+
+
+def round_lines(log: Path) -> dict[str, str]:
+    """Per round, what the ServerApp's log said of its cohort the last time it ran it
+    ("clients 4  rejected 0  missing 1"): metrics.jsonl leaves cohorts out under central DP."""
+    found = re.findall(r"\[round (\d+)/\d+\].*?(clients \d+.*)$", strip_colours(_tail(log, 10**7)), re.M)
+    return {r: " ".join(text.split()) for r, text in found}
+
+
 def machine() -> dict[str, Any]:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg_at_start": os.getloadavg()}
 
@@ -419,9 +452,8 @@ def check(run_dir: Path, plan: Plan, reference: bool = True) -> dict[str, Any]:
     want = list(range(1, plan.rounds + 1))
     out: dict[str, Any] = {
         "rounds": {
-            "expected": plan.rounds, "seen_once": rounds == want,
-            "missing": sorted(set(want) - set(rounds)), "duplicates": sorted({r for r in rounds if rounds.count(r) > 1}),
-            "clients_per_round": [r.get("num_clients") for r in rows],
+            "expected": plan.rounds, "seen_once": rounds == want, "missing": sorted(set(want) - set(rounds)),
+            "duplicates": sorted({r for r in rounds if rounds.count(r) > 1}),
         },
     }  # fmt: skip
     ledger = subprocess.run(

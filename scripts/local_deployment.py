@@ -396,14 +396,18 @@ class Deployment:
         )  # fmt: skip
         self._wait_listening(proc, log, self.port, "flower-superlink")
         if self.secure:
-            self.spawn(
-                "superexec",
-                [
-                    "flower-superexec", "--runtime-api-address", self.address,
-                    "--root-certificates", str(self.creds / "ca.crt"),
-                    "--superexec-auth-secret-file", str(self.creds / "superexec.secret"),
-                ],
-            )  # fmt: skip
+            self.start_superexec()
+
+    def start_superexec(self) -> None:
+        """The SuperLink's `flower-superexec`, which runs the ServerApps (secure stack only)."""
+        self.spawn(
+            "superexec",
+            [
+                "flower-superexec", "--runtime-api-address", self.address,
+                "--root-certificates", str(self.creds / "ca.crt"),
+                "--superexec-auth-secret-file", str(self.creds / "superexec.secret"),
+            ],
+        )  # fmt: skip
 
     def start_edge(self) -> None:
         """nginx with the shipped Fleet-only proxy config in front of the SuperLink."""
@@ -511,6 +515,10 @@ class Deployment:
                 self.stop(["superlink", "superexec"], grace_s=5.0)
             self.start_superlink()
             started += ["superlink", "superexec"] if self.secure else ["superlink"]
+        elif self.secure and not running.get("superexec"):  # the SuperLink is up, its SuperExec died
+            self.stop(["superexec"])  # the ServerApps it left behind
+            self.start_superexec()
+            started.append("superexec")
         if self.edge and not running.get("edge"):
             self.start_edge()
             started.append("edge")
