@@ -11,25 +11,19 @@ receipts for one step) is reported again; `--keep` appends the receipts the file
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from app.ledger.chain import read_entries
+
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a receipts file (a line that is not one raises ValueError naming it)."""
-    out = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {number}: not JSON ({err})") from None
-        if not isinstance(item, dict):
-            raise ValueError(f"{path} line {number}: not a JSON object")
-        out.append(item)
-    return out
+    """The JSON objects of a receipts file, one a line as in the ledger itself (a line that is not
+    one raises ValueError naming the file and the line)."""
+    try:
+        return read_entries(path)
+    except ValueError as err:
+        raise ValueError(f"{path} {err}") from None
 
 
 def node_receipts(entries: list[dict[str, Any]], node: int) -> list[dict[str, Any]]:
