@@ -103,6 +103,7 @@ def test_flwr_run_trains_and_writes_results(flwr_env: dict[str, str], tmp_path: 
     code, out, run_id = flwr_run(flwr_env, out_dir, "federation.rounds=3")
     assert code == 0, out[-4000:]
     assert run_id, out[-4000:]
+    assert "partition claims: the first binds (simulated nodes)" in out, "Flower's InMemoryGrid not recognised"
 
     announced = re.findall(r"results: (/\S+)$", out, flags=re.MULTILINE)
     assert announced, f"no 'results: <dir>' line in the output:\n{out[-4000:]}"

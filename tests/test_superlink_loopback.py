@@ -295,6 +295,7 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
         down = _script("down", state, home=home, cwd=work)
 
     assert "started: node-1" in restart, restart
+    assert "partition claims: ignored (a deployment" in log, "a deployed node's partition-id claim binds"
     assert not processes_under(str(state)), "processes of the stack outlived `down`"
     assert sorted(p.name for p in home.iterdir()) == [state.name] and not any(work.iterdir())
     assert "stopped everything" in down

@@ -176,6 +176,12 @@ class FederatedRun:
         # Simulated nodes report their partition and the first claim binds; a deployed node's claim
         # binds nothing (strategies/partitions.py).
         self.partitions = PartitionBinding(len(self.nodes), from_claims=runs_simulated_nodes(grid))
+        log.info(
+            "partition claims: %s",
+            "the first binds (simulated nodes)"
+            if self.partitions.from_claims
+            else "ignored (a deployment: each node is capped at federation.max_examples_per_node)",
+        )
         self.strategy.weight_cap = example_cap(cfg, train_source.labels, self.partitions)
         self.clock: VirtualClockGrid | None = None
         self.fleet: dict[str, Any] | None = None
