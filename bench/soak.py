@@ -57,7 +57,7 @@ sys.path.append(str(ROOT / "bench"))  # machine.py (last: the test that imports 
 import local_deployment  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
-from app.tools.processes import free_ports, strip_colours  # noqa: E402
+from app.tools.processes import cmdline, free_ports, proc_table, strip_colours  # noqa: E402
 
 NAME = "soak"
 SCRIPT = ROOT / "scripts" / "local_deployment.py"
@@ -208,7 +208,7 @@ class Soak:
 
         def serverapps() -> set[int]:
             owned = local_deployment.owned_processes([fed.procs["superexec"]])
-            return {p for p in owned if "flwr-serverapp" in local_deployment._cmdline(p)}
+            return {p for p in owned if "flwr-serverapp" in cmdline(p)}
 
         pids = local_deployment.wait_until(serverapps, 120.0, "a running flwr-serverapp", 0.2)
         for pid in pids:
@@ -219,7 +219,7 @@ class Soak:
         """SIGKILL the flower-superlink process only; `up` then restarts the server side."""
         fed = self.deployment()
         rec = fed.procs["superlink"]
-        if not rec.matches(local_deployment._proc_table().get(rec.pid)):
+        if not rec.matches(proc_table().get(rec.pid)):
             raise RuntimeError("the recorded SuperLink is not running")
         os.kill(rec.pid, signal.SIGKILL)
         return f"SIGKILL {rec.pid}"
@@ -227,13 +227,13 @@ class Soak:
     def leftover_clientapps(self) -> list[dict[str, Any]]:
         """ClientApp processes still alive once the run has completed: tasks of runs that died
         (a killed ServerApp, a restarted SuperLink) whose processes never exited."""
-        fed, table = self.deployment(), local_deployment._proc_table()
+        fed, table = self.deployment(), proc_table()
         ticks = os.sysconf("SC_CLK_TCK")
         boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
         left = []
         for name in sorted(n for n in fed.procs if n.startswith("node-")):
             for pid in sorted(local_deployment.owned_processes([fed.procs[name]])):
-                if "flwr-clientapp" in local_deployment._cmdline(pid) and pid in table:
+                if "flwr-clientapp" in cmdline(pid) and pid in table:
                     age = time.time() - (boot + table[pid].start / ticks)
                     left.append({"node": name, "pid": pid, "age_s": round(age), "rss_mib": _rss_mib(pid)})
         return left

@@ -36,7 +36,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import socket
 import string
 import subprocess
@@ -54,7 +53,18 @@ import credentials  # noqa: E402
 from export_partitions import export_partitions  # noqa: E402
 from register_nodes import register, wait_for_superlink  # noqa: E402
 
-from app.tools.processes import flwr_cli, free_ports, parse_flwr_json, strip_colours  # noqa: E402
+from app.tools.processes import (  # noqa: E402
+    ProcInfo,
+    cmdline,
+    flwr_cli,
+    free_ports,
+    parse_flwr_json,
+    proc_stat,
+    proc_table,
+    protected_pids,
+    stop_found,
+    strip_colours,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 STATE_FILE = "deployment.json"
@@ -87,42 +97,6 @@ def tail(path: Path, chars: int = 4000) -> str:
 # ---------------------------------------------------------------------------- our processes, exactly
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields from the third on (state, ppid, pgrp, session, ...; field N is
-    index N - 3); None when there is no such process. The command name may hold spaces."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()
-
-
-def _cmdline(pid: int) -> str:
-    """The command line of `pid`, arguments joined by spaces ("" when unreadable or gone)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    state: str
-    ppid: int
-    sid: int
-    start: int  # clock ticks after boot: with the pid, a process's identity
-
-
-def _proc_table() -> dict[int, ProcInfo]:
-    """Every visible process (Linux /proc; elsewhere empty: nothing is found, nothing stopped)."""
-    table = {}
-    if Path("/proc").is_dir():
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and (f := _stat_fields(int(entry))) is not None:
-                table[int(entry)] = ProcInfo(f[0], int(f[1]), int(f[3]), int(f[19]))
-    return table
-
-
 @dataclass(frozen=True)
 class Spawned:
     """A process `up` started: its id, start time and command (program name and arguments).
@@ -139,7 +113,7 @@ class Spawned:
     @classmethod
     def of(cls, pid: int, cmd: Sequence[str]) -> Spawned:
         """The record of `pid`, just started with `cmd` (Popen returns after the exec)."""
-        fields = _stat_fields(pid)
+        fields = proc_stat(pid)
         if fields is None:
             raise DeploymentError(f"{cmd[0]} (pid {pid}) is gone before its start time could be read")
         return cls(pid, int(fields[19]), " ".join([Path(cmd[0]).name, *cmd[1:]]))
@@ -148,7 +122,7 @@ class Spawned:
         """Is `info` (the live process with our pid) this very process, still running it?"""
         return (
             info is not None and info.state != "Z" and info.start == self.start
-            and self.command in _cmdline(self.pid)
+            and self.command in cmdline(self.pid)
         )  # fmt: skip
 
     def gone(self, info: ProcInfo | None) -> bool:
@@ -164,11 +138,8 @@ def owned_processes(records: Iterable[Spawned]) -> set[int]:
     for nothing, session included (its session members joined that other process). A session
     whose leader has ended still counts: Linux does not hand out a pid while a session or group
     still uses it as its id. Never this process or its ancestors; zombies are left out."""
-    table = _proc_table()
-    protected, pid = set(), os.getpid()
-    while pid > 1 and pid not in protected:
-        protected.add(pid)
-        pid = table[pid].ppid if pid in table else 1
+    table = proc_table()
+    protected = protected_pids(table)
     found: set[int] = set()
     sessions: dict[int, int] = {}  # session id -> the earliest start time of its members
     for rec in records:
@@ -188,25 +159,10 @@ def stop_owned(records: Iterable[Spawned], grace_s: float = 0.0) -> None:
     """SIGTERM what belongs to `records` for up to `grace_s`, then SIGKILL; DeploymentError
     naming any process that survives."""
     records = list(records)
-
-    def signal_all(pids: set[int], sig: signal.Signals) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    deadline = time.monotonic() + grace_s
-    while (pids := owned_processes(records)) and time.monotonic() < deadline:
-        signal_all(pids, signal.SIGTERM)
-        time.sleep(0.5)
-    for _ in range(10):
-        if not (pids := owned_processes(records)):
-            return
-        signal_all(pids, signal.SIGKILL)
-        time.sleep(0.2)
-    if left := {p: _cmdline(p)[:160] for p in owned_processes(records)}:
-        raise DeploymentError(f"processes survived SIGKILL: {left}")
+    try:
+        stop_found(lambda: owned_processes(records), "the local deployment", grace_s)
+    except RuntimeError as err:
+        raise DeploymentError(str(err)) from None
 
 
 def nginx_worker_user() -> str | None:
@@ -297,7 +253,7 @@ class Deployment:
     def running(self) -> dict[str, bool]:
         """Each recorded long-running process: still the very process `up` started, or not (a
         process id without its record, from an older version of this script, counts as not)."""
-        table = _proc_table()
+        table = proc_table()
         return {
             name: name in self.procs and self.procs[name].matches(table.get(pid)) for name, pid in self.pids.items()
         }

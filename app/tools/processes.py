@@ -4,7 +4,8 @@
 Every such process has its private directory (its FLWR_HOME) in its command line or
 environment; that path is the marker. Flower detaches some of them (the SuperLink's
 SuperExec runs in its own session) and spawns others per run or message, so the
-search follows sessions and descendants too.
+search follows sessions and descendants too. The /proc reading and the stop loop here also
+serve scripts/local_deployment.py, which selects by what it recorded, not by a marker.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +32,9 @@ def strip_colours(text: str) -> str:
     return ANSI.sub("", text)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...);
-    None when there is no such process."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...;
+    field N of proc(5) is index N - 3); None when there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -39,19 +42,45 @@ def _stat(pid: int) -> list[str] | None:
     return stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
 
 
+def cmdline(pid: int) -> str:
+    """The command line of `pid`, arguments joined by spaces ("" when unreadable or gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def alive(pid: int) -> bool:
     """A live process with that id (a zombie is dead)."""
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return fields is not None and fields[0] != "Z"
 
 
-def _proc_table() -> dict[int, tuple[str, int, int]]:
-    """pid -> (state, ppid, session id) of every visible process."""
+@dataclass(frozen=True)
+class ProcInfo:
+    state: str
+    ppid: int
+    sid: int
+    start: int  # clock ticks after boot (proc(5) field 22): with the pid, a process's identity
+
+
+def proc_table() -> dict[int, ProcInfo]:
+    """Every visible process (Linux /proc; elsewhere empty: nothing is found, nothing stopped)."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
-            table[int(entry)] = (fields[0], int(fields[1]), int(fields[3]))
+    if Path("/proc").is_dir():
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (f := proc_stat(int(entry))) is not None:
+                table[int(entry)] = ProcInfo(f[0], int(f[1]), int(f[3]), int(f[19]))
     return table
+
+
+def protected_pids(table: dict[int, ProcInfo]) -> set[int]:
+    """This process and its ancestors: never stopped by what it stops."""
+    protected, pid = set(), os.getpid()
+    while pid > 1 and pid not in protected:
+        protected.add(pid)
+        pid = table[pid].ppid if pid in table else 1
+    return protected
 
 
 def _marked(pid: int, marker: bytes) -> bool:
@@ -69,22 +98,19 @@ def _marked(pid: int, marker: bytes) -> bool:
 def processes_under(marker: str) -> set[int]:
     """Live processes started for `marker`: matches, the sessions they lead, descendants.
 
-    Never this process or its ancestors; zombies are skipped (already dead). Linux only
-    (/proc): elsewhere nothing is found and nothing is stopped.
+    For tests and sweeps, whose Flower processes carry their own FLWR_HOME: a process is
+    matched by its environment, which is no proof of who started it (scripts/local_deployment.py
+    records its processes instead). Never this process or its ancestors; zombies are skipped
+    (already dead). Linux only (/proc): elsewhere nothing is found and nothing is stopped.
     """
-    if not Path("/proc").is_dir():
-        return set()
-    table, mark = _proc_table(), marker.rstrip("/").encode()
-    protected, pid = set(), os.getpid()
-    while pid > 1 and pid not in protected:
-        protected.add(pid)
-        pid = table.get(pid, ("", 1, 0))[1]
+    table, mark = proc_table(), marker.rstrip("/").encode()
+    protected = protected_pids(table)
     found = {p for p in table if p not in protected and _marked(p, mark)}
-    leaders = {p for p in found if table[p][2] == p}
-    found |= {p for p, (_, _, sid) in table.items() if sid in leaders}
-    while children := {p for p, (_, ppid, _) in table.items() if ppid in found} - found:
+    leaders = {p for p in found if table[p].sid == p}
+    found |= {p for p, info in table.items() if info.sid in leaders}
+    while children := {p for p, info in table.items() if info.ppid in found} - found:
         found |= children
-    return {p for p in found - protected if table[p][0] != "Z"}
+    return {p for p in found - protected if table[p].state != "Z"}
 
 
 def _signal_all(pids: set[int], sig: signal.Signals) -> None:
@@ -95,21 +121,27 @@ def _signal_all(pids: set[int], sig: signal.Signals) -> None:
             pass
 
 
-def stop_processes(marker: str, grace_s: float = 0.0) -> None:
-    """SIGTERM the processes of `marker` for up to `grace_s`, SIGKILL the rest; RuntimeError
-    naming any that survive."""
+def stop_found(find: Callable[[], set[int]], what: str, grace_s: float = 0.0) -> None:
+    """SIGTERM the processes `find` names for up to `grace_s`, then SIGKILL (`find` is asked
+    again each time: children appear, recycled ids drop out); RuntimeError naming `what` and
+    any process that survives."""
     deadline = time.monotonic() + grace_s
-    while (pids := processes_under(marker)) and time.monotonic() < deadline:
+    while (pids := find()) and time.monotonic() < deadline:
         _signal_all(pids, signal.SIGTERM)
         time.sleep(0.5)
     for _ in range(10):
-        if not (pids := processes_under(marker)):
+        if not (pids := find()):
             return
         _signal_all(pids, signal.SIGKILL)
         time.sleep(0.2)
-    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:160] for p in processes_under(marker)}
-    if left:
-        raise RuntimeError(f"processes under {marker} survived SIGKILL: {left}")
+    if left := {p: cmdline(p)[:160] for p in find()}:
+        raise RuntimeError(f"processes of {what} survived SIGKILL: {left}")
+
+
+def stop_processes(marker: str, grace_s: float = 0.0) -> None:
+    """SIGTERM the processes of `marker` for up to `grace_s`, SIGKILL the rest; RuntimeError
+    naming any that survive."""
+    stop_found(lambda: processes_under(marker), marker, grace_s)
 
 
 def kill_matching(marker: str, program: str) -> set[int]:
