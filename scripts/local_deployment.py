@@ -387,13 +387,16 @@ class Deployment:
         # before that, as root; the workers only need to hold request bodies, which they could not
         # write into a state directory only its owner may enter: bodies are kept in memory up to
         # the template's cap (bigger ones are refused with 413 anyway), so they never touch disk.
+        # The buffer is 1 MiB over the cap: a chunked body is measured as it arrives, and one that
+        # filled the buffer exactly would be spilled to disk (a 500) before its excess is seen (413).
         user = nginx_worker_user()
-        cap = re.search(r"^\s*client_max_body_size\s+(\S+);", template, re.M)
+        cap = re.search(r"^\s*client_max_body_size\s+(\d+)([kKmM]?);", template, re.M)
+        cap_bytes = int(cap.group(1)) << {"": 0, "k": 10, "m": 20}[cap.group(2).lower()] if cap else 0
         (home / "nginx.conf").write_text(
             (f"user {user};\n" if user else "")
             + f"pid {home / 'nginx.pid'};\nerror_log {home / 'logs' / 'error.log'} info;\nevents {{}}\n"
             + f"http {{\n {log_format}\n access_log {home / 'logs' / 'access.log'} edge;\n {temp}\n"
-            + (f" client_body_buffer_size {cap.group(1)};\n" if cap and cap.group(1) != "0" else "")
+            + (f" client_body_buffer_size {cap_bytes + (1 << 20)};\n" if cap_bytes else "")
             + f" include {home / 'fleet-edge.conf'};\n}}\n"
         )
         proc, log = self.spawn("edge", ["nginx", "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"])
