@@ -259,6 +259,11 @@ def _keep_line(context: Context, line: dict[str, Any]) -> None:
             f.write(json.dumps(line, sort_keys=True) + "\n")
 
 
+def _state_record(context: Context, key: str) -> dict[str, Any]:
+    """A copy of the ConfigRecord `key` in the node's state ({} when it has none yet)."""
+    return dict(context.state[key]) if key in context.state else {}
+
+
 def sent_hashes(context: Context) -> list[str]:
     """This node's recent reply hashes, newest last."""
     return list(context.state[SENT]["sha256"]) if SENT in context.state else []
@@ -285,12 +290,12 @@ def keep_receipt(record: dict, context: Context) -> None:
         return
     step, digest = int(record[RECEIPT_STEP]), str(record[RECEIPT_HASH])
     reply = str(record.get(RECEIPT_REPLY, ""))
-    held = dict(context.state[RECEIPTS]) if RECEIPTS in context.state else {}
+    held = _state_record(context, RECEIPTS)
     line: dict[str, Any] = {"node_id": context.node_id, "step": step, "hash": digest, "reply_sha256": reply}
     if held.get(str(step)) == digest:
         return
     if str(step) in held:
-        conflicts = dict(context.state[RECEIPT_CONFLICTS]) if RECEIPT_CONFLICTS in context.state else {}
+        conflicts = _state_record(context, RECEIPT_CONFLICTS)
         others = list(conflicts.get(str(step), []))
         if digest in others:
             return
@@ -309,7 +314,7 @@ def keep_receipt(record: dict, context: Context) -> None:
         context.state[RECEIPTS] = ConfigRecord(held)
     own = sent_hashes(context)
     if reply and own and reply not in own:
-        mismatches = dict(context.state[RECEIPT_MISMATCHES]) if RECEIPT_MISMATCHES in context.state else {}
+        mismatches = _state_record(context, RECEIPT_MISMATCHES)
         mismatches[str(step)] = reply
         context.state[RECEIPT_MISMATCHES] = ConfigRecord(mismatches)
         line["mismatch"] = True
