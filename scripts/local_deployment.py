@@ -51,6 +51,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the app, also fr
 
 import credentials  # noqa: E402
 from export_partitions import export_partitions  # noqa: E402
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE  # noqa: E402
 from register_nodes import register, wait_for_superlink  # noqa: E402
 
 from app.tools.processes import (  # noqa: E402
@@ -70,6 +71,18 @@ REPO = Path(__file__).resolve().parents[1]
 STATE_FILE = "deployment.json"
 CONNECTION = "local"  # the flwr CLI's connection, in <state>/cli/config.toml
 START_TIMEOUT_S = 60.0
+# A killed node's key is refused until its last session expires: the SuperLink marks it offline
+# HEARTBEAT_PATIENCE heartbeats after the last one (flwr.common.constant); 15 s of margin.
+ACTIVATION_PATIENCE_S = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + 15.0
+ACTIVATION_RETRY_S = 5.0
+STILL_ONLINE = "Failed to activate SuperNode"  # Flower's message for FLEET_NODE_ACTIVATION_FAILED
+
+
+def _node_id(proc: subprocess.Popen, log: Path, seen: int) -> int | None:
+    """The node id a SuperNode logged after byte `seen` of its log; -1 once it has exited."""
+    if m := re.search(r"SuperNode ID: (\d+)", tail(log, 10**7)[seen:]):
+        return int(m.group(1))
+    return -1 if proc.poll() is not None else None
 
 
 class DeploymentError(RuntimeError):
@@ -433,20 +446,37 @@ class Deployment:
         )  # fmt: skip
 
     def start_node(self, i: int) -> None:
-        """SuperNode `i` (name node-i), until the SuperLink has given it a node id."""
+        """SuperNode `i` (name node-i), until the SuperLink has given it a node id.
+
+        A node killed without saying goodbye still counts as online until HEARTBEAT_PATIENCE
+        heartbeats have passed (60 s with Flower's defaults), and the SuperLink refuses to
+        activate its key again until then (the SuperNode exits 305, "Failed to activate
+        SuperNode"). `up` soon after a crash is the normal case, so that refusal is retried
+        until the old session has expired, saying so once."""
         name = f"node-{i}"
-        proc, log = self.spawn_node(name, self.node_ports[i], i, register_key=True)
-        seen = len(tail(log, 10**7))  # a restart appends to the log: read only what is new
-
-        def node_id() -> int | None:
-            if m := re.search(r"SuperNode ID: (\d+)", tail(log, 10**7)[seen:]):
-                return int(m.group(1))
-            if proc.poll() is not None:
+        deadline = time.monotonic() + ACTIVATION_PATIENCE_S
+        register_key = True
+        while True:
+            log = self.root / name / "output.log"
+            seen = len(tail(log, 10**7))  # a restart appends to the log: read only what is new
+            proc, log = self.spawn_node(name, self.node_ports[i], i, register_key=register_key)
+            what = f"SuperNode {name} to connect (log: {log})"
+            node = wait_until(lambda p=proc, lg=log, n=seen: _node_id(p, lg, n), START_TIMEOUT_S, what)
+            if node >= 0:
+                self.node_ids[i:i + 1] = [node]  # fmt: skip
+                return
+            refused = STILL_ONLINE in tail(log, 10**7)[seen:]
+            if not refused or time.monotonic() > deadline:
                 raise DeploymentError(f"flower-supernode {name} exited {proc.returncode}; its log {log}:\n{tail(log)}")
-            return None
-
-        node = wait_until(node_id, START_TIMEOUT_S, f"SuperNode {name} to connect (log: {log})")
-        self.node_ids[i:i + 1] = [node]  # fmt: skip
+            if register_key:
+                print(
+                    f"{name}: the SuperLink still counts its previous run as online (a node is marked offline "
+                    f"{HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL} s after its last heartbeat); retrying every "
+                    f"{ACTIVATION_RETRY_S:.0f} s for up to {ACTIVATION_PATIENCE_S:.0f} s",
+                    flush=True,
+                )
+            register_key = False  # registered on the first try
+            time.sleep(ACTIVATION_RETRY_S)
 
     def online_nodes(self) -> set[int]:
         """Node ids `flwr supernode list` shows online (empty when the SuperLink does not answer)."""

@@ -322,6 +322,28 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
     assert len(records) >= 6 and all(n["node_key"] == keys[n["node_id"]] for n in records), records
 
 
+def test_up_right_after_a_node_crash_waits_out_the_old_session_and_the_node_rejoins(tmp_path: Path) -> None:
+    """A SIGKILLed SuperNode still counts as online on the SuperLink for two heartbeats (60 s),
+    and Flower refuses to activate its key again until then (exit 305). `up` at once after the
+    crash says so, retries, and brings the node back online under the same node id."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    state = home / "fedgpu-local"
+    _script("up", state, "--nodes", "1", "--port", str(free_ports(1)[0]), home=home, cwd=work)
+    fed = LoopbackFederation.load(state)
+    try:
+        before = list(fed.node_ids)
+        fed.kill_node(0)
+        restart = _script("up", state, home=home, cwd=work)
+        after = LoopbackFederation.load(state)
+        online = after.online_nodes()
+    finally:
+        down = _script("down", state, home=home, cwd=work)
+    assert "still counts its previous run as online" in restart and "started: node-0" in restart, restart
+    assert after.node_ids == before and online == set(before), (before, after.node_ids, online)
+    assert "stopped everything" in down and not processes_under(str(state))
+
+
 def test_fedbuff_survives_a_killed_node(tmp_path: Path) -> None:
     with loopback_federation(tmp_path) as fed:
         # Flower's default `--isolation subprocess` (used here, insecure) leaves the Runtime API
