@@ -93,6 +93,46 @@ def test_bad_value_is_rejected_with_its_key(overrides, words):
         assert word in str(err.value), f"{str(err.value)!r} lacks {word!r}"
 
 
+def test_every_typo_is_named_at_once_with_the_closest_key_and_nothing_from_hydra():
+    with pytest.raises(ConfigError) as err:
+        load_config("strategy=krumm federation.round=3 train.lrr=0.1 stratgy.x=1 seed=2")
+    text = str(err.value)
+    assert text.splitlines() == [
+        "4 problems:",
+        "  - strategy='krumm' is not a known strategy option; did you mean krum? "
+        "(allowed: fedavg, fedbuff, krum, median, multikrum, trimmed_mean)",
+        "  - federation.round is not a config key of federation; did you mean federation.rounds?",
+        "  - train.lrr is not a config key of train; did you mean train.lr?",
+        "  - stratgy.x: 'stratgy' is not a config section; did you mean strategy?",
+    ], text
+    assert err.value.__cause__ is None and err.value.__context__ is None, "Hydra's traceback rides along"
+    # A key of the chosen option, and a name nothing is close to.
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy.num_byzantin is not a config key of strategy=krum; did you mean strategy.num_byzantine\?",
+    ):
+        load_config("strategy=krum strategy.num_byzantin=1")
+    with pytest.raises(
+        ConfigError,
+        match=r"^federation.zzz is not a config key of federation \(the keys of each federation option are in conf/federation/\)$",
+    ):
+        load_config("federation.zzz=1")
+
+
+def test_what_only_hydra_can_judge_is_one_line_without_its_traceback():
+    with pytest.raises(ConfigError, match=r"^bad override in .*no viable alternative") as err:
+        load_config("federation.rounds=[1,2")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_every_value_of_the_wrong_type_is_named_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config("train.lr=abc federation.rounds=x seed=3")
+    lines = str(err.value).splitlines()
+    assert lines[0] == "2 problems:" and len(lines) == 3, lines
+    assert lines[1].startswith("  - train.lr: Value 'abc'") and lines[2].startswith("  - federation.rounds: Value 'x'")
+
+
 def test_more_partitions_than_samples_is_rejected():
     with pytest.raises(ConfigError, match=r"num-partitions=2000 .* more partitions than the 1437"):
         check_partitioning(1437, 2000, PartitionConfig())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -185,11 +188,33 @@ def test_supernode_trains_on_its_own_data_path(tmp_path):
 def test_too_few_nodes_fails_clearly_before_any_results(tmp_path):
     from app.config.schema import ConfigError
 
-    with pytest.raises(ConfigError, match=r"only 2 node\(s\) connected after 1 s"):
-        run_in_process("federation.min_available_nodes=3 federation.node_wait_timeout_s=1", tmp_path, nodes=2)
+    # A simulation's size is known: refused once the count settles, not after node_wait_timeout_s.
+    with pytest.raises(ConfigError, match=r"min_available_nodes=3, but this simulation has 2 SuperNode\(s\)"):
+        run_in_process("federation.min_available_nodes=3 federation.node_wait_timeout_s=120", tmp_path, nodes=2)
     with pytest.raises(ConfigError, match="partition.min_partition_size=1000"):
         run_in_process("partition=dirichlet partition.min_partition_size=1000", tmp_path, nodes=3)
     assert list(tmp_path.iterdir()) == []
+
+
+class _DeployedGrid:
+    """A deployment's grid, as far as the wait for nodes sees it: one node connected."""
+
+    def get_node_ids(self) -> list[int]:
+        return [7]
+
+
+def test_a_deployment_waits_for_nodes_saying_how_long_and_which_key(caplog: pytest.LogCaptureFixture) -> None:
+    from app.config.schema import ConfigError
+    from app.run.federation import _wait_for_nodes
+
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError, match=r"only 1 node\(s\) connected after 1 s"):
+        _wait_for_nodes(_DeployedGrid(), 2, timeout_s=1.0, simulated=False)
+    first = next(r.getMessage() for r in caplog.records if "waiting" in r.getMessage())
+    assert re.fullmatch(
+        r"waiting up to 1 s more \(federation.node_wait_timeout_s\) for nodes: 1 connected, "
+        r"2 needed \(federation.min_available_nodes\)",
+        first,
+    ), first
 
 
 @pytest.mark.parametrize(

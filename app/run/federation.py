@@ -116,21 +116,45 @@ def send_and_receive(
     return sorted(replies, key=lambda m: order.get(m.metadata.reply_to_message_id, len(order)))
 
 
-def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float) -> list[int]:
-    """The connected nodes once `minimum` are there; a clear error after `timeout_s`."""
-    deadline, next_log = time.monotonic() + timeout_s, 0.0
+SIMULATION_SETTLE_S = 2.0  # Flower registers a simulation's nodes in one loop, right after the ServerApp starts
+
+
+def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, simulated: bool = False) -> list[int]:
+    """The connected nodes once `minimum` are there; a clear error after `timeout_s`.
+
+    A simulation's size is fixed when it starts (num-supernodes): Flower registers all of its
+    nodes in one loop just after starting the ServerApp's thread, so once the count has stood
+    still for SIMULATION_SETTLE_S below `minimum`, waiting cannot help and the run is refused
+    at once. A deployment's nodes may still be starting: it waits, saying for how long."""
+    start = time.monotonic()
+    deadline, next_log = start + timeout_s, start
+    seen, since = -1, start
     while len(nodes := list(grid.get_node_ids())) < minimum:
         now = time.monotonic()
+        if len(nodes) != seen:
+            seen, since = len(nodes), now
+        if simulated and nodes and now - since >= SIMULATION_SETTLE_S:
+            raise ConfigError(
+                f"federation.min_available_nodes={minimum}, but this simulation has {len(nodes)} SuperNode(s): "
+                f'raise num-supernodes (flwr run . --federation-config "num-supernodes={minimum}") or lower '
+                "federation.min_available_nodes (and federation.min_train_nodes)"
+            )
         if now >= deadline:
             raise ConfigError(
                 f"federation.min_available_nodes={minimum}: only {len(nodes)} node(s) connected after "
                 f"{timeout_s:.0f} s; start more SuperNodes (or num-supernodes in simulation), lower "
                 "federation.min_available_nodes, or raise federation.node_wait_timeout_s"
             )
-        if now >= next_log:
-            log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
+        if now >= next_log and not (simulated and nodes):
+            log.info(
+                "waiting up to %.0f s more (federation.node_wait_timeout_s) for nodes: %d connected, "
+                "%d needed (federation.min_available_nodes)",
+                deadline - now,
+                len(nodes),
+                minimum,
+            )
             next_log = now + 10.0
-        time.sleep(0.5)
+        time.sleep(0.25 if simulated else 0.5)
     return nodes
 
 
@@ -170,7 +194,9 @@ class FederatedRun:
         self.strategy.unpack = self.unpack = uplink_decoder(cfg.compression)
         self.strategy.downlink = downlink_encoder(cfg.compression, cfg.seed)
         self.first_round, self.elapsed_before = 1, 0.0
-        self.nodes = _wait_for_nodes(grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s)
+        self.nodes = _wait_for_nodes(
+            grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s, runs_simulated_nodes(grid)
+        )
         check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
         check_cohort(cfg, self.strategy, len(self.nodes))
         # Simulated nodes report their partition and the first claim binds; a deployed node's claim
