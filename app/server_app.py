@@ -2,6 +2,9 @@
 
 Run config keys (pyproject.toml): `overrides` (Hydra overrides for conf/) and
 `output-dir` (absolute results root; empty = ~/fedgpu-runs).
+
+The first line of every run names the Python environment it runs in (app/run/environment.py):
+the local SuperLink runs every `flwr run` in the environment that started it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from app.config.compose import load_config
 from app.config.schema import ConfigError
+from app.run.environment import log_environment
 from app.run.federation import run_federation
 from app.run.results import output_root
 from app.task.data import DatasetUnavailableError
@@ -25,6 +29,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    log_environment()
     overrides = str(context.run_config.get("overrides", ""))
     try:
         root = output_root(str(context.run_config.get("output-dir", "")))

@@ -50,6 +50,15 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def argv(pid: int) -> list[str]:
+    """The arguments of `pid`, each whole (a path may contain spaces); [] when unreadable or gone."""
+    try:
+        data = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in data.split(b"\0")[:-1]]
+
+
 def alive(pid: int) -> bool:
     """A live process with that id (a zombie is dead)."""
     fields = proc_stat(pid)
@@ -72,6 +81,70 @@ def proc_table() -> dict[int, ProcInfo]:
             if entry.isdigit() and (f := proc_stat(int(entry))) is not None:
                 table[int(entry)] = ProcInfo(f[0], int(f[1]), int(f[3]), int(f[19]))
     return table
+
+
+def own(pid: int) -> bool:
+    """Is `pid` a process of the current user (the owner of /proc/PID)?"""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def listening_sockets(port: int) -> dict[int, int]:
+    """The TCP sockets listening on `port` (any local address, IPv4 or IPv6): inode -> the
+    owner's uid (Linux /proc/net/tcp; elsewhere none)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()  # sl local_address rem_address st tx_queue:rx_queue tr:when retrnsmt uid timeout inode
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found[int(f[9])] = int(f[7])
+    return found
+
+
+def socket_holders(inodes: set[int]) -> set[int]:
+    """The current user's processes with one of the sockets `inodes` open (other users' file
+    descriptors are unreadable, and never ours to stop)."""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    holders = set()
+    for pid in proc_table():
+        if not own(pid):
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    holders.add(pid)
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+def process_family(identities: dict[int, int]) -> set[int]:
+    """The live processes of `identities` (pid -> start time: still that very process), the
+    members of the sessions they lead (started no earlier), and all their descendants. The
+    sessions keep what a dead process started and detached: Flower's SuperExec runs in its own
+    session and its flwr-simulation stays in it, re-parented, when the SuperLink above is
+    killed (Linux hands out no pid still used as a session id). Never this process or its
+    ancestors; no zombies."""
+    table = proc_table()
+    protected = protected_pids(table)
+    found = {p for p, start in identities.items() if p in table and table[p].start == start}
+    # a pid that now names another process counts for nothing, its session included
+    sessions = {p: start for p, start in identities.items() if p not in table or table[p].start == start}
+    found |= {p for p, i in table.items() if i.sid in sessions and i.start >= sessions[i.sid]}
+    while children := {p for p, i in table.items() if i.ppid in found} - found:
+        found |= children
+    return {p for p in found - protected if table[p].state != "Z"}
 
 
 def protected_pids(table: dict[int, ProcInfo]) -> set[int]:

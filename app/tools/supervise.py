@@ -13,7 +13,15 @@ progress. A run is given up when Flower says it failed or was stopped, or when i
 but its log has not grown for `--stall-timeout` seconds (a killed ServerApp shows as running
 for minutes). A given-up run is stopped (`flwr stop`) so its nodes stop working for it, then
 the command is submitted again. "already complete" from the ServerApp (a finished run
-resubmitted) ends supervision successfully. Every attempt is logged with its run id.
+resubmitted) ends supervision successfully, a refused configuration ("invalid configuration,
+nothing was run") unsuccessfully: the same command would fail the same way. Every attempt is
+logged with its run id, a silent wait gets a progress line every ~10 s, and the last line
+says COMPLETED or FAILED and why (exit status 0 or 1: `flwr run --stream` itself exits 0
+when the ServerApp fails).
+
+The ServerApp logs its Python environment at the start (app/run/environment.py); when that is
+on this machine but not this shell's environment, the supervisor warns: the local SuperLink
+was started from another environment and runs every `flwr run` with its packages.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.run.environment import Environment, parse_line
+from app.tools import local_superlink
 from app.tools.processes import RUN_ID, flwr_cli, parse_flwr_json, strip_colours
 from strategies.node_text import printable
 
@@ -35,6 +47,9 @@ log = logging.getLogger("flwr.fedgpu.supervise")
 
 APP_DIR = Path(__file__).resolve().parents[2]
 ALREADY_COMPLETE = "already complete"
+INVALID_CONFIG = "invalid configuration, nothing was run"  # app/server_app.py: the same command fails again
+REFUSED = "failed: invalid configuration"  # the outcome of a refused configuration: not retried
+GENERIC_ERROR = re.compile(r"raised an exception$|^Exit Code: \d+$")  # Flower's, around the real one
 
 
 @dataclass
@@ -50,9 +65,14 @@ class Flwr:
         self.superlink, self.env, self.app_dir = superlink, env, app_dir
 
     def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [flwr_cli(), *args], env=self.env, cwd=self.app_dir, capture_output=True, text=True, timeout=timeout
-        )
+        """`flwr ARGS`; a command that runs past `timeout` is killed and answers exit status 124
+        (an unreachable SuperLink must not end the supervision)."""
+        cmd = [flwr_cli(), *args]
+        try:
+            return subprocess.run(cmd, env=self.env, cwd=self.app_dir, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+            return subprocess.CompletedProcess(cmd, 124, out, f"flwr {args[0]} timed out after {timeout:.0f} s")
 
     @property
     def _connection(self) -> list[str]:
@@ -74,9 +94,18 @@ class Flwr:
         except ValueError:
             return ""
 
-    def logs(self, run_id: str) -> str:
-        proc = self._cli("log", run_id, "--show", *self._connection, timeout=60)
-        return strip_colours(proc.stdout)
+    def logs(self, run_id: str) -> str | None:
+        """The ServerApp's log so far, without colours; None when it cannot be read now.
+
+        `flwr log --show` prints the whole log with `print(log)`: one newline more than the
+        log has, which is dropped here (counted as log text, it cut the first character of
+        the next new line). While a run has no log yet, Flower's answer waits for the first
+        line: the timeout keeps the follower's progress lines coming."""
+        proc = self._cli("log", run_id, "--show", *self._connection, timeout=20)
+        if proc.returncode != 0:
+            return None
+        text = proc.stdout
+        return strip_colours(text[:-1] if text.endswith("\n") else text)
 
     def stop(self, run_id: str) -> None:
         self._cli("stop", run_id, *self._connection, timeout=60)
@@ -93,25 +122,105 @@ def with_resume(overrides: str) -> str:
     return overrides if "resume=auto" in items else f"{overrides} resume=auto"
 
 
-def follow(flwr: Flwr, run_id: str, stall_timeout_s: float, poll_s: float, echo: Callable[[str], None]) -> str:
-    """Follow one run to its outcome, echoing its new log lines."""
-    seen, progress = 0, time.monotonic()
+@dataclass
+class LogFollower:
+    """Echoes the new complete lines of a log that is read whole again and again (a line
+    still being written is held back until its newline comes, or the run ends), and reads
+    from them what the supervisor needs: why the run failed, whether its configuration was
+    refused, whether it was already complete, and the ServerApp's environment."""
+
+    echo: Callable[[str], None]
+    seen: int = 0  # characters of the log consumed
+    exception: str = ""  # the exception line that ends the last traceback
+    error: str = ""  # the last ERROR message that is not one of Flower's generic ones
+    invalid_config: bool = False
+    already_complete: bool = False
+    _in_traceback: bool = False
+
+    @property
+    def reason(self) -> str:
+        return self.exception or self.error
+
+    def feed(self, text: str | None, final: bool = False) -> bool:
+        """Echo what `text` (the whole log now; None: unreadable) adds; whether it grew."""
+        if text is None or len(text) <= self.seen:
+            return False
+        end = len(text) if final else text.rfind("\n", self.seen) + 1
+        if end <= self.seen:
+            return True  # a partial line grew
+        for line in text[self.seen : end].splitlines():
+            self._line(printable(line.expandtabs(4), limit=None))  # a tab is layout, not a control
+        self.seen = end
+        return True
+
+    def _line(self, line: str) -> None:
+        self.echo(line)
+        self.already_complete |= ALREADY_COMPLETE in line
+        self.invalid_config |= INVALID_CONFIG in line
+        if self._in_traceback and line[:1] not in ("", " "):  # the exception line ends it
+            self._in_traceback, self.exception = False, line
+        self._in_traceback |= line.startswith("Traceback (most recent call last)")
+        level, _, message = line.partition(":")
+        if level.strip() == "ERROR" and not GENERIC_ERROR.search(message.strip()):
+            self.error = message.strip()
+        if (env := parse_line(line)) is not None and (warning := environment_warning(env)):
+            log.warning("%s", warning)
+
+
+def environment_warning(env: Environment) -> str | None:
+    """Why the ServerApp's environment `env` (from its log line) is not this shell's, with what
+    to do; None when it is, or when the ServerApp runs on another machine."""
+    if env.host != socket.gethostname() or Path(env.prefix).resolve() == Path(sys.prefix).resolve():
+        return None
+    text = (
+        f"this run executes in {env.prefix}, not in this shell's {sys.prefix}: the SuperLink that runs it "
+        f"was started from another environment and runs every `flwr run` with that environment's packages"
+    )
+    links, _ = local_superlink.find()
+    if mine := [link for link in links if Path(link.prefix).resolve() == Path(env.prefix).resolve()]:
+        text += (
+            f". It is the local SuperLink (pid {mine[0].pid}): stop it with `python -m app.tools.local_superlink stop` "
+            "and the next `flwr run` starts one from this shell's environment"
+        )
+    return text
+
+
+def follow(
+    flwr: Flwr,
+    run_id: str,
+    stall_timeout_s: float,
+    poll_s: float,
+    echo: Callable[[str], None],
+    *,
+    progress_s: float = 10.0,
+    on_stall: str = "stop it and submit it again",
+) -> str:
+    """Follow one run to its outcome, echoing its new log lines; while none comes, a progress
+    line every `progress_s` says what it waits for and what happens when."""
+    follower = LogFollower(echo)
+    progress = noted = time.monotonic()
     while True:
-        text = flwr.logs(run_id)
-        if len(text) > seen:
-            for line in text[seen:].splitlines():
-                echo(printable(line, limit=None))
-            seen, progress = len(text), time.monotonic()
+        if follower.feed(flwr.logs(run_id)):
+            progress = time.monotonic()
         status = flwr.status(run_id)
         if status.startswith("finished"):
-            text = flwr.logs(run_id)  # the last lines
-            for line in text[seen:].splitlines():
-                echo(printable(line, limit=None))
+            follower.feed(flwr.logs(run_id), final=True)  # the last lines
             if status == "finished:completed":
-                return ALREADY_COMPLETE if ALREADY_COMPLETE in text else "completed"
-            return f"failed: Flower says {status}"
-        if time.monotonic() - progress > stall_timeout_s:
+                return ALREADY_COMPLETE if follower.already_complete else "completed"
+            why = f"; why: {follower.reason}" if follower.reason else ""
+            failed = f"{REFUSED}: " if follower.invalid_config else "failed: "
+            return f"{failed}Flower says {status}{why}"
+        now = time.monotonic()
+        if now - progress > stall_timeout_s:
             return f"stalled: no new log line for {stall_timeout_s:.0f} s while Flower says {status or 'nothing'}"
+        if now - progress >= progress_s and now - noted >= progress_s:
+            noted = now
+            log.info(
+                "run %s: no new log line for %.0f s (Flower says %s); waiting up to --stall-timeout %.0f s, "
+                "then I %s (in %.0f s)",
+                run_id, now - progress, status or "nothing", stall_timeout_s, on_stall,
+                stall_timeout_s - (now - progress),
+            )  # fmt: skip
         time.sleep(poll_s)
 
 
@@ -130,35 +239,76 @@ def supervise(
     overrides = with_resume(overrides)
     run_config = f"overrides='{overrides}'" + (f" output-dir='{output_dir}'" if output_dir else "")
     attempts: list[Attempt] = []
-    for attempt in range(retries + 1):
+    total = retries + 1
+    for attempt in range(1, total + 1):
+        last = attempt == total
+        again = " again (resume=auto continues it from its checkpoint)" if attempt > 1 else ""
+        log.info("attempt %d of %d: submitting the run%s", attempt, total, again)
         run_id, out = flwr.submit(run_config, federation_config)
         if run_id is None:
             attempts.append(Attempt("", f"submit failed: {out.strip()[-500:]}"))
-            log.warning("attempt %d: flwr run did not start a run: %s", attempt + 1, out.strip()[-500:])
+            log.warning("attempt %d: flwr run did not start a run: %s", attempt, out.strip()[-500:])
         else:
-            log.info("attempt %d: run %s submitted", attempt + 1, run_id)
-            outcome = follow(flwr, run_id, stall_timeout_s, poll_s, echo)
+            log.info("attempt %d: run %s submitted", attempt, run_id)
+            on_stall = "stop it and give up (no retries left)" if last else "stop it and submit it again"
+            outcome = follow(flwr, run_id, stall_timeout_s, poll_s, echo, on_stall=on_stall)
             attempts.append(Attempt(run_id, outcome))
             if outcome in ("completed", ALREADY_COMPLETE):
-                log.info("attempt %d: run %s %s", attempt + 1, run_id, outcome)
+                log.info("attempt %d: run %s %s", attempt, run_id, outcome)
                 return attempts
-            log.warning("attempt %d: run %s %s; stopping it and submitting again", attempt + 1, run_id, outcome)
+            if outcome.startswith(REFUSED):
+                log.warning(
+                    "attempt %d: run %s %s; not submitted again: it would fail the same way", attempt, run_id, outcome
+                )
+                return attempts
+            then = "; stopping it (no retries left)" if last else "; stopping it and submitting again"
+            log.warning("attempt %d: run %s %s%s", attempt, run_id, outcome, then)
             flwr.stop(run_id)
-        if attempt < retries:
+        if not last:
             time.sleep(poll_s)
     return attempts
+
+
+def verdict(overrides: str, attempts: list[Attempt]) -> tuple[bool, str]:
+    """(success, the closing line): COMPLETED or FAILED, the run's name, and why it failed."""
+    name = next((i.split("=", 1)[1] for i in overrides.split() if i.startswith("name=")), "?")
+    tries = f"{len(attempts)} attempt{'s' if len(attempts) != 1 else ''}"
+    last = attempts[-1] if attempts else Attempt("", "nothing was submitted")
+    if last.outcome in ("completed", ALREADY_COMPLETE):
+        return True, f"COMPLETED: run '{name}' {last.outcome} (Flower run {last.run_id}, {tries})"
+    where = f"; its log: flwr log {last.run_id} --show" if last.run_id else ""
+    return (
+        False,
+        f"FAILED: run '{name}' did not complete in {tries}; the last (Flower run {last.run_id or '-'}) {last.outcome}{where}",
+    )
+
+
+def _echo(line: str) -> None:
+    print(line, flush=True)  # flushed: a pipe (| tee) keeps the ServerApp's lines in order with ours
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m app.supervise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--superlink", default=None, help="the flwr connection (config.toml); default: its default")
-    parser.add_argument("--federation-config", default=None, help="as for flwr run (simulation size)")
-    parser.add_argument("--output-dir", default=None, help="the run config's output-dir (absolute)")
-    parser.add_argument("--retries", type=int, default=3, help="resubmissions after the first attempt")
-    parser.add_argument("--stall-timeout", type=float, default=900.0, help="seconds without a new log line")
-    parser.add_argument("--poll", type=float, default=2.0, help="seconds between checks")
+    parser.add_argument(
+        "--superlink", default=None, help="the flwr connection in config.toml (default: the one it names as default)"
+    )
+    parser.add_argument(
+        "--federation-config", default=None, help="as for flwr run: the simulation's size (default: Flower's)"
+    )
+    parser.add_argument(
+        "--output-dir", default=None, help="the run config's output-dir, absolute (default: the app's, ~/fedgpu-runs)"
+    )
+    parser.add_argument(
+        "--retries", type=int, default=3, help="resubmissions after the first attempt (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--stall-timeout", type=float, default=900.0,
+        help="seconds without a new ServerApp log line before a running run is stopped and resubmitted "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--poll", type=float, default=2.0, help="seconds between checks (default: %(default)s)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then the Hydra overrides (name=... needed)")
     args = parser.parse_args(argv)
     overrides = " ".join(a for a in args.overrides if a != "--")
@@ -172,12 +322,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             retries=args.retries,
             stall_timeout_s=args.stall_timeout,
             poll_s=args.poll,
+            echo=_echo,
         )
     except ValueError as err:
         parser.error(str(err))
     for i, a in enumerate(attempts, start=1):
         log.info("attempt %d: run %s: %s", i, a.run_id or "-", a.outcome)
-    return 0 if attempts and attempts[-1].outcome in ("completed", ALREADY_COMPLETE) else 1
+    ok, line = verdict(overrides, attempts)
+    sys.stdout.flush()
+    if ok:
+        log.info("%s", line)
+    else:
+        log.error("%s", line)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
