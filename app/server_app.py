@@ -3,8 +3,9 @@
 Run config keys (pyproject.toml): `overrides` (Hydra overrides for conf/) and
 `output-dir` (absolute results root; empty = ~/fedgpu-runs).
 
-The first line of every run names the Python environment it runs in (app/run/environment.py):
-the local SuperLink runs every `flwr run` in the environment that started it.
+Its first log line names the Python environment it runs in (app/run/environment.py): the
+local SuperLink runs every `flwr run` in the environment that started it, whichever venv
+`flwr run` was called from.
 """
 
 from __future__ import annotations
