@@ -171,7 +171,7 @@ def test_flower_style_start_runs_the_asynchronous_loop():
     "overrides, match",
     [
         ("strategy=fedbuff federation.fraction_evaluate=0.5", "evaluates centrally"),
-        ("strategy=fedbuff strategy.buffer_size=0", "strategy.buffer_size"),
+        ("strategy=fedbuff strategy.buffer_size=-1", "strategy.buffer_size"),
         ("strategy=fedbuff strategy.staleness_fn=linear", "strategy.staleness_fn"),
         ("strategy=fedbuff strategy.server_momentum=1.0", "strategy.server_momentum"),
         ("strategy=fedbuff strategy.buffer_aggregator=mode", "strategy.buffer_aggregator"),

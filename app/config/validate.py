@@ -432,7 +432,7 @@ def _validate_model(cfg: Config) -> None:
 
 
 def _validate_fedbuff(s: StrategyConfig) -> None:
-    _require(s.buffer_size >= 1, "strategy.buffer_size", s.buffer_size, "must be >= 1")
+    _require(s.buffer_size >= 0, "strategy.buffer_size", s.buffer_size, "must be >= 1, or 0 (auto: half the nodes)")
     _require(s.concurrency >= 0, "strategy.concurrency", s.concurrency, "must be >= 0 (0 = every connected node)")
     _require(s.max_staleness >= 0, "strategy.max_staleness", s.max_staleness, "must be >= 0")
     _one_of("strategy.staleness_fn", s.staleness_fn, STALENESS_FUNCTIONS)

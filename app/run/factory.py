@@ -128,7 +128,7 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
     if dp is not None:  # validation allows central DP only with the mean buffer
         return DPFedBuff(dp=dp, **buffer)
     rule = None if st.buffer_aggregator == "mean" else robust_rule(st.buffer_aggregator, st, device)
-    if rule is not None and (problem := rule.too_few(st.buffer_size)):
+    if rule is not None and st.buffer_size and (problem := rule.too_few(st.buffer_size)):
         raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
     return FedBuff(buffer_rule=rule, **buffer)
 
@@ -202,7 +202,10 @@ def downlink_encoder(cfg: CompressionConfig, seed: int) -> Downlink | None:
 
 
 def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> None:
-    """Before the first round: can the connected nodes ever satisfy the strategy and the attack?"""
+    """Before the first round: can the connected nodes ever satisfy the strategy and the attack?
+    (FedBuff's K is chosen here when strategy.buffer_size=0: it depends on the nodes.)"""
+    if isinstance(strategy, FedBuff):
+        strategy.size_buffer(num_nodes)
     if problem := strategy.node_count_problem(num_nodes):
         raise ConfigError(problem)
     if cfg.attack.num_malicious > num_nodes:
