@@ -42,16 +42,22 @@ class ScriptedCli(Flwr):
 
     def __init__(self, stages: list[str], final: str = "finished:completed") -> None:
         super().__init__(None)
-        self.stages, self.final, self.shown = stages, final, 0
+        self.stages, self.final, self.calls = stages, final, 0
 
     def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         if args[0] == "log":
-            stage = self.stages[min(self.shown, len(self.stages) - 1)]
-            self.shown += 1
-            # Flower's CLI logs its own line to stderr; the log itself goes to stdout.
-            return subprocess.CompletedProcess(args, 0, shown(stage), "INFO :      Printing logstream for run_id `1`\n")
+            stage = self.stages[min(self.calls, len(self.stages) - 1)]
+            self.calls += 1
+            # The CLI prints its connection first on stdout (the first call: the local SuperLink
+            # it started too), the log after it; its own log line goes to stderr.
+            preamble = "\x1b[34mUsing SuperLink: local (127.0.0.1:39091)\x1b[0m\n"
+            if self.calls == 1:
+                preamble = "Starting local SuperLink on 127.0.0.1:39091...\n" + preamble
+            return subprocess.CompletedProcess(
+                args, 0, preamble + shown(stage), "INFO :      Printing logstream for run_id `1`\n"
+            )
         if args[0] == "list":
-            status = self.final if self.shown >= len(self.stages) else "running"
+            status = self.final if self.calls >= len(self.stages) else "running"
             return subprocess.CompletedProcess(args, 0, json.dumps({"success": True, "runs": [{"status": status}]}), "")
         raise AssertionError(f"unexpected flwr {args}")
 
@@ -59,7 +65,8 @@ class ScriptedCli(Flwr):
 def test_each_log_line_is_echoed_once_whole_and_without_blank_lines() -> None:
     """Flower's `flwr log --show` prints the whole log each time plus one newline of its own:
     counting that newline as log text cut the first character of the next new line
-    (`NFO :      [ROUND 2]`) and echoed an empty line after every chunk."""
+    (`NFO :      [ROUND 2]`) and echoed an empty line after every chunk. The CLI's own lines
+    before the log are no log lines."""
     lines = [
         f"{INFO}:      Starting Flower ServerApp",
         f"{INFO}:      [ROUND 1/3]",
@@ -100,7 +107,9 @@ def test_a_silent_run_gets_a_progress_line_naming_the_wait_and_what_comes_next(
     assert outcome.startswith("stalled")
     progress = [r.getMessage() for r in caplog.records if "no new log line for" in r.getMessage()]
     assert len(progress) >= 2, caplog.text
-    assert "run 7" in progress[0] and "Flower says running" in progress[0] and "stop it" in progress[0]
+    assert (
+        "run 7" in progress[0] and "Flower says running" in progress[0] and "stopped and submitted again" in progress[0]
+    )
     assert echoed == ["[ROUND 1/3]"]
 
 
@@ -178,7 +187,7 @@ def test_a_run_that_never_completes_exits_1_and_its_last_line_says_failed(
 
         def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
             if args[0] == "run":
-                self.shown = 0
+                self.calls = 0
                 return subprocess.CompletedProcess(args, 0, "Successfully started run 12\n", "")
             if args[0] == "stop":
                 return subprocess.CompletedProcess(args, 0, "", "")

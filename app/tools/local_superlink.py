@@ -103,7 +103,7 @@ def environ(pid: int) -> dict[str, str]:
 def describe(link: LocalSuperLink) -> list[str]:
     """A few lines on `link` for a person: its environment is what every `flwr run` on it gets."""
     here = sys.prefix
-    same = "the same as this shell's" if Path(link.prefix) == Path(here) else f"NOT this shell's ({here})"
+    same = "the same as this shell's" if Path(link.prefix) == Path(here) else f"NOT this shell's, {here}"
     env = environ(link.pid)
     installs = env.get("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION") != "1"
     lines = [
@@ -167,7 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  pid {link.pid} is not a {PROGRAM}: not stopped")
             status = 1
             continue
-        count = stop(link, args.grace)
+        try:
+            count = stop(link, args.grace)
+        except RuntimeError as err:
+            print(f"  {err}")
+            status = 1
+            continue
         print(f"  stopped: pid {link.pid} and {max(count - 1, 0)} process(es) it started")
     if args.action == "status":
         port_args = "".join(f" --port {p}" for p in args.port or ())

@@ -15,7 +15,8 @@ for minutes). A given-up run is stopped (`flwr stop`) so its nodes stop working 
 the command is submitted again. "already complete" from the ServerApp (a finished run
 resubmitted) ends supervision successfully, a refused configuration ("invalid configuration,
 nothing was run") unsuccessfully: the same command would fail the same way. Every attempt is
-logged with its run id, a silent wait gets a progress line every ~10 s, and the last line
+logged with its run id, a silent wait gets a progress line (every ~10 s, less often as the
+silence grows), and the last line
 says COMPLETED or FAILED and why (exit status 0 or 1: `flwr run --stream` itself exits 0
 when the ServerApp fails).
 
@@ -49,6 +50,8 @@ APP_DIR = Path(__file__).resolve().parents[2]
 ALREADY_COMPLETE = "already complete"
 INVALID_CONFIG = "invalid configuration, nothing was run"  # app/server_app.py: the same command fails again
 REFUSED = "failed: invalid configuration"  # the outcome of a refused configuration: not retried
+# What the `flwr` CLI prints on stdout before a log: the connection, and once, a local SuperLink it starts.
+CLI_PREAMBLE = re.compile(r"\A(?:(?:Using SuperLink|Starting local SuperLink)\b[^\n]*\n)+")
 GENERIC_ERROR = re.compile(r"raised an exception$|^Exit Code: \d+$")  # Flower's, around the real one
 
 
@@ -99,13 +102,14 @@ class Flwr:
 
         `flwr log --show` prints the whole log with `print(log)`: one newline more than the
         log has, which is dropped here (counted as log text, it cut the first character of
-        the next new line). While a run has no log yet, Flower's answer waits for the first
+        the next new line), and before it lines of the CLI's own on stdout, not always the
+        same ones (`CLI_PREAMBLE`), which are dropped too. While a run has no log yet, Flower's answer waits for the first
         line: the timeout keeps the follower's progress lines coming."""
         proc = self._cli("log", run_id, "--show", *self._connection, timeout=20)
         if proc.returncode != 0:
             return None
-        text = proc.stdout
-        return strip_colours(text[:-1] if text.endswith("\n") else text)
+        text = CLI_PREAMBLE.sub("", strip_colours(proc.stdout))
+        return text[:-1] if text.endswith("\n") else text
 
     def stop(self, run_id: str) -> None:
         self._cli("stop", run_id, *self._connection, timeout=60)
@@ -193,10 +197,11 @@ def follow(
     echo: Callable[[str], None],
     *,
     progress_s: float = 10.0,
-    on_stall: str = "stop it and submit it again",
+    on_stall: str = "stopped and submitted again",
 ) -> str:
-    """Follow one run to its outcome, echoing its new log lines; while none comes, a progress
-    line every `progress_s` says what it waits for and what happens when."""
+    """Follow one run to its outcome, echoing its new log lines. While none comes, a progress
+    line says so, what Flower says and what happens when: every `progress_s`, and after a
+    minute every sixth of the silence so far (a long round is not a flood of lines)."""
     follower = LogFollower(echo)
     progress = noted = time.monotonic()
     while True:
@@ -211,15 +216,15 @@ def follow(
             failed = f"{REFUSED}: " if follower.invalid_config else "failed: "
             return f"{failed}Flower says {status}{why}"
         now = time.monotonic()
-        if now - progress > stall_timeout_s:
+        silent = now - progress
+        if silent > stall_timeout_s:
             return f"stalled: no new log line for {stall_timeout_s:.0f} s while Flower says {status or 'nothing'}"
-        if now - progress >= progress_s and now - noted >= progress_s:
+        if silent >= progress_s and now - noted >= max(progress_s, silent / 6):
             noted = now
             log.info(
-                "run %s: no new log line for %.0f s (Flower says %s); waiting up to --stall-timeout %.0f s, "
-                "then I %s (in %.0f s)",
-                run_id, now - progress, status or "nothing", stall_timeout_s, on_stall,
-                stall_timeout_s - (now - progress),
+                "run %s: no new log line for %.0f s (Flower says %s); after %.0f s without one (--stall-timeout) "
+                "it is %s",
+                run_id, silent, status or "nothing", stall_timeout_s, on_stall,
             )  # fmt: skip
         time.sleep(poll_s)
 
@@ -250,7 +255,7 @@ def supervise(
             log.warning("attempt %d: flwr run did not start a run: %s", attempt, out.strip()[-500:])
         else:
             log.info("attempt %d: run %s submitted", attempt, run_id)
-            on_stall = "stop it and give up (no retries left)" if last else "stop it and submit it again"
+            on_stall = "stopped, and supervision gives up (no retries left)" if last else "stopped and submitted again"
             outcome = follow(flwr, run_id, stall_timeout_s, poll_s, echo, on_stall=on_stall)
             attempts.append(Attempt(run_id, outcome))
             if outcome in ("completed", ALREADY_COMPLETE):
