@@ -53,7 +53,7 @@ SETTINGS = {
 }
 STRATEGIES = {
     "sync FedAvg": "",
-    "FedBuff": "strategy=fedbuff federation.eval_every=2",
+    "FedBuff": "strategy=fedbuff strategy.buffer_size=10 federation.eval_every=2",  # K of docs/benchmarks.md's tables
     "FedBuff, median buffer": "strategy=fedbuff strategy.buffer_aggregator=median strategy.buffer_size=5 "
     "federation.eval_every=2",
 }
@@ -184,7 +184,9 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 def host_check(root: Path) -> dict:
     """The same 100-node, 50-version FedBuff run with and without a fleet profile."""
-    common = "strategy=fedbuff federation.rounds=50 federation.eval_every=10 train.epochs=1 seed=42"
+    common = (
+        "strategy=fedbuff strategy.buffer_size=10 federation.rounds=50 federation.eval_every=10 train.epochs=1 seed=42"
+    )
     fleet = flwr_run("host-fleet", f"{common} fleet=lognormal", root, 100)
     none = flwr_run("host-none", f"{common} fleet=none", root, 100)
     return {

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from app.simulation.local_grid import InProcessGrid
 from app.simulation.replies import make_reply
 from strategies.coordinatewise import MedianRule
-from strategies.fedbuff import FedBuff, InFlight, server_step
+from strategies.fedbuff import FedBuff, InFlight, auto_buffer_size, server_step
 from strategies.krum import KrumRule
 from strategies.staleness import staleness_fn
 
@@ -312,3 +312,39 @@ def test_models_no_task_can_use_are_dropped(rng):
     assert s.version == 3 and set(s._models) == {3}  # version 0 is 3 stale > 1: not kept for "old"
     s.receive(_reply("old", 1, _model(rng)))
     assert s.discarded_total == 1
+
+
+# --- the buffer's size K -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("cohort", "k"), [(1, 1), (2, 1), (3, 2), (5, 3), (8, 4), (10, 5), (19, 10), (20, 10), (1000, 10)]
+)
+def test_auto_k_is_half_the_nodes_training_at_once_rounded_up_at_most_ten(cohort: int, k: int) -> None:
+    assert auto_buffer_size(cohort) == k
+
+
+def test_auto_k_meets_a_robust_rules_minimum() -> None:
+    krum = KrumRule(num_byzantine=2)  # n >= 2f + 3 = 7
+    assert auto_buffer_size(8, krum) == 7 and auto_buffer_size(30, krum) == 10
+    assert auto_buffer_size(4, krum) == 7  # more than 4 can give: node_count_problem refuses it
+    s = _strategy(buffer_size=0, buffer_rule=krum)
+    assert s.size_buffer(4) == 7 and "only 4 nodes train at once" in s.node_count_problem(4)
+
+
+def test_auto_k_follows_the_concurrency_is_chosen_once_and_survives_a_resume(caplog) -> None:
+    s = _strategy(buffer_size=0, concurrency=6)
+    with caplog.at_level("INFO"):
+        assert s.size_buffer(40) == 3  # half of the 6 training at once, not of the 40 connected
+    assert "buffer K=3 chosen for 6 nodes training at once" in caplog.text
+    assert s.size_buffer(2) == 3  # chosen once
+    resumed = _strategy(buffer_size=0)
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.size_buffer(100) == 3  # the run's K, not one for today's nodes
+    explicit = _strategy(buffer_size=4)
+    explicit.load_state_dict(s.state_dict())
+    assert explicit.size_buffer(100) == 4  # an explicit K is the user's
+
+
+def test_an_explicit_k_at_or_above_the_nodes_is_warned_about(caplog) -> None:
+    with caplog.at_level("WARNING"):
+        assert _strategy(buffer_size=10).size_buffer(5) == 10
+    assert "strategy.buffer_size=10 >= the 5 nodes training at once" in caplog.text and "would choose 3" in caplog.text

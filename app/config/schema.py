@@ -83,7 +83,7 @@ class StrategyConfig:
     trim_ratio: float = 0.1  # trimmed mean: fraction trimmed from each end
     on_too_few: str = "skip"  # skip | fallback (to the median) when too few valid replies
     # FedBuff (asynchronous):
-    buffer_size: int = 0  # K: updates per server step; 0: half the nodes training at once (FedBuff.size_buffer)
+    buffer_size: int = 0  # K: updates per server step; 0: half the nodes training at once, <= 10 (FedBuff.size_buffer)
     concurrency: int = 0  # nodes training at once; 0 = every connected node
     max_staleness: int = 10  # updates older than this many versions are discarded
     staleness_fn: str = "polynomial"  # constant | polynomial | hinge
