@@ -63,7 +63,9 @@ def test_a_lost_node_stops_the_run_cleanly_after_the_bounded_wait_and_resume_fin
     overrides = FAST + " federation.rounds=3 federation.round_wait_timeout_s=1"
     with caplog.at_level(logging.INFO, logger="flwr.fedgpu"), pytest.raises(TooFewNodes) as err:
         run_in_process(overrides, tmp_path, grid=grid)
-    assert "federation.round_wait_timeout_s=1" in str(err.value) and "missing [1001]" in str(err.value)
+    assert "federation.round_wait_timeout_s=1" in str(err.value) and "missing [partition 1 (node 1001)]" in str(
+        err.value
+    )
     assert "waiting up to" in caplog.text  # the wait is logged with whom it waits for
     summary = read_summary(tmp_path / "exp1")
     assert summary["status"] == "stopped" and summary["stop_reason"] == str(err.value)
@@ -84,7 +86,7 @@ def test_a_round_goes_on_with_the_nodes_left_when_that_is_enough(
         summary, _ = run_in_process(overrides, tmp_path, grid=grid)
     rows = read_rows(summary["run_dir"])
     assert summary["status"] == "completed" and [r["num_sampled"] for r in rows] == [3, 2]
-    assert "going on with the 2 connected" in caplog.text and "missing [1002]" in caplog.text
+    assert "going on with the 2 connected" in caplog.text and "missing [partition 2 (node 1002)]" in caplog.text
 
 
 def test_a_node_back_within_the_wait_rejoins(tmp_path: Path) -> None:
@@ -107,6 +109,8 @@ def test_fedbuff_without_nodes_stops_after_the_bounded_wait(tmp_path: Path) -> N
 
 class FakeFlwr:
     """Scripted answers of the flwr CLI: each submitted run has a list of (status, log) states."""
+
+    problem = ""  # Flwr's: what the last failed command said
 
     def __init__(self, runs: list[list[tuple[str, str]]]) -> None:
         self.runs, self.submitted, self.stopped = runs, [], []

@@ -8,8 +8,10 @@ import contextlib
 import io
 import json
 import logging
+import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from flwr.cli.log import print_logs
@@ -36,7 +38,7 @@ def shown(server_log: str) -> str:
 
 
 class ScriptedCli(Flwr):
-    """`Flwr` with the `flwr` CLI answering from a script: each `flwr log --show` sees the next
+    """`Flwr` with the `flwr` CLI answering from a script (`_run`): each `flwr log --show` sees the next
     stage of the ServerApp's log (a stage may end in the middle of a line, as Flower stores
     each write of the ServerApp's stdout), and `flwr list` says running until the last."""
 
@@ -44,7 +46,8 @@ class ScriptedCli(Flwr):
         super().__init__(None)
         self.stages, self.final, self.calls = stages, final, 0
 
-    def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    def _run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        args = cmd[1:]
         if args[0] == "log":
             stage = self.stages[min(self.calls, len(self.stages) - 1)]
             self.calls += 1
@@ -131,6 +134,31 @@ def failure(own_line: str, exception: str) -> str:
     )
 
 
+def test_a_superlink_that_does_not_answer_is_named_in_the_progress_line(caplog: pytest.LogCaptureFixture) -> None:
+    class Unreachable(ScriptedCli):
+        def _run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+            if cmd[1] == "list":  # what Flower's CLI answers then: exit status 0, the error in the JSON
+                error = "Using SuperLink: x\\nConnection to the SuperLink is unavailable. Please check ..."
+                return subprocess.CompletedProcess(cmd, 0, f'{{"success": false, "error-message": "{error}"}}', "")
+            return super()._run(cmd, timeout)
+
+    with caplog.at_level(logging.INFO, logger="flwr.fedgpu.supervise"):
+        outcome = follow(Unreachable(["[ROUND 1/3]\n"] * 10**6), "7", 0.3, 0.02, lambda _: None, progress_s=0.1)
+    said = "no status: flwr list: Connection to the SuperLink is unavailable. Please check ..."
+    assert outcome == f"stalled: no new log line for 0 s ({said})"
+    assert f"({said})" in caplog.text
+
+
+def test_the_flwr_cli_against_a_dead_superlink_says_why(tmp_path: Path) -> None:
+    """The real CLI: `flwr list` puts its error in the JSON, `flwr log` in a box on stderr."""
+    (tmp_path / "config.toml").write_text(
+        '[superlink]\ndefault = "dead"\n\n[superlink.dead]\naddress = "127.0.0.1:9"\ninsecure = true\n'
+    )
+    flwr = Flwr(None, {**os.environ, "FLWR_HOME": str(tmp_path), "FLWR_DISABLE_UPDATE_CHECK": "1"})
+    assert flwr.status("1") == "" and flwr.problem.startswith("flwr list: Connection to the SuperLink is unavailable.")
+    assert flwr.logs("1") is None and flwr.problem.startswith("flwr log: Connection to the SuperLink is unavailable.")
+
+
 def test_a_failed_run_says_why_with_the_exception_not_flowers_generic_lines() -> None:
     crash = failure("", "RuntimeError: CUDA error: an illegal memory access was encountered")
     outcome = follow(ScriptedCli([crash], final="finished:failed"), "3", 60, 0, echo=lambda _: None)
@@ -185,13 +213,13 @@ def test_a_run_that_never_completes_exits_1_and_its_last_line_says_failed(
         def __init__(self, superlink: str | None, env: dict[str, str] | None = None) -> None:
             super().__init__([log], final="finished:failed")
 
-        def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-            if args[0] == "run":
+        def _run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+            if cmd[1] == "run":
                 self.calls = 0
-                return subprocess.CompletedProcess(args, 0, "Successfully started run 12\n", "")
-            if args[0] == "stop":
-                return subprocess.CompletedProcess(args, 0, "", "")
-            return super()._cli(*args, timeout=timeout)
+                return subprocess.CompletedProcess(cmd, 0, "Successfully started run 12\n", "")
+            if cmd[1] == "stop":
+                return subprocess.CompletedProcess(cmd, 0, "", "")
+            return super()._run(cmd, timeout)
 
     monkeypatch.setattr("app.tools.supervise.Flwr", Failing)
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # main's basicConfig writes to this stderr

@@ -66,16 +66,22 @@ class Flwr:
 
     def __init__(self, superlink: str | None, env: dict[str, str] | None = None, app_dir: Path = APP_DIR) -> None:
         self.superlink, self.env, self.app_dir = superlink, env, app_dir
+        self.problem = ""  # what the last failed command said ("" after a success): for progress lines
 
-    def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        """`flwr ARGS`; a command that runs past `timeout` is killed and answers exit status 124
-        (an unreachable SuperLink must not end the supervision)."""
-        cmd = [flwr_cli(), *args]
+    def _run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run `cmd`; one that runs past `timeout` is killed and answers exit status 124 (an
+        unreachable SuperLink must not end the supervision)."""
         try:
             return subprocess.run(cmd, env=self.env, cwd=self.app_dir, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as err:
             out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
-            return subprocess.CompletedProcess(cmd, 124, out, f"flwr {args[0]} timed out after {timeout:.0f} s")
+            return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout:.0f} s")
+
+    def _cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """`flwr ARGS`, noting what it said when it failed."""
+        proc = self._run([flwr_cli(), *args], timeout)
+        self.problem = "" if proc.returncode == 0 else f"flwr {args[0]}: {complaint(proc.stderr or proc.stdout)}"
+        return proc
 
     @property
     def _connection(self) -> list[str]:
@@ -91,11 +97,14 @@ class Flwr:
 
     def status(self, run_id: str) -> str:
         """Flower's status of the run ("running", "finished:completed", ...); "" when unknown."""
-        proc = self._cli("list", "--run-id", run_id, "--format", "json", *self._connection, timeout=60)
+        proc = self._cli("list", "--run-id", run_id, "--format", "json", *self._connection, timeout=30)
         try:
-            return str((parse_flwr_json(proc.stdout).get("runs") or [{}])[0].get("status", ""))
+            answer = parse_flwr_json(proc.stdout)
         except ValueError:
             return ""
+        if answer.get("success") is False:  # exit status 0, the error in the JSON
+            self.problem = f"flwr list: {complaint(str(answer.get('error-message', '')))}"
+        return str((answer.get("runs") or [{}])[0].get("status", ""))
 
     def logs(self, run_id: str) -> str | None:
         """The ServerApp's log so far, without colours; None when it cannot be read now.
@@ -113,6 +122,14 @@ class Flwr:
 
     def stop(self, run_id: str) -> None:
         self._cli("stop", run_id, *self._connection, timeout=60)
+
+
+def complaint(output: str) -> str:
+    """The gist of a failed `flwr` command's output: the text in Flower's error box, else its
+    last line."""
+    lines = [line.strip() for line in strip_colours(output).splitlines() if line.strip()]
+    boxed = [line.strip("│ ") for line in lines if line.startswith("│")]
+    return printable(" ".join(boxed) if boxed else lines[-1] if lines else "no output", limit=300)
 
 
 def with_resume(overrides: str) -> str:
@@ -217,14 +234,14 @@ def follow(
             return f"{failed}Flower says {status}{why}"
         now = time.monotonic()
         silent = now - progress
+        says = f"Flower says {status}" if status else f"no status: {flwr.problem or 'Flower says nothing'}"
         if silent > stall_timeout_s:
-            return f"stalled: no new log line for {stall_timeout_s:.0f} s while Flower says {status or 'nothing'}"
+            return f"stalled: no new log line for {stall_timeout_s:.0f} s ({says})"
         if silent >= progress_s and now - noted >= max(progress_s, silent / 6):
             noted = now
             log.info(
-                "run %s: no new log line for %.0f s (Flower says %s); after %.0f s without one (--stall-timeout) "
-                "it is %s",
-                run_id, silent, status or "nothing", stall_timeout_s, on_stall,
+                "run %s: no new log line for %.0f s (%s); after %.0f s without one (--stall-timeout) it is %s",
+                run_id, silent, says, stall_timeout_s, on_stall,
             )  # fmt: skip
         time.sleep(poll_s)
 
