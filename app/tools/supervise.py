@@ -112,8 +112,8 @@ class Flwr:
         `flwr log --show` prints the whole log with `print(log)`: one newline more than the
         log has, which is dropped here (counted as log text, it cut the first character of
         the next new line), and before it lines of the CLI's own on stdout, not always the
-        same ones (`CLI_PREAMBLE`), which are dropped too. While a run has no log yet, Flower's answer waits for the first
-        line: the timeout keeps the follower's progress lines coming."""
+        same ones (`CLI_PREAMBLE`), which are dropped too. While a run has no log yet,
+        Flower's answer waits for the first line: the timeout keeps the progress lines coming."""
         proc = self._cli("log", run_id, "--show", *self._connection, timeout=20)
         if proc.returncode != 0:
             return None
