@@ -36,6 +36,7 @@ def test_the_line_names_this_environment_and_parses_back() -> None:
     spaced = Environment(**{**env.__dict__, "prefix": "/home/a b/venv", "python": "/home/a b/venv/bin/python"})
     assert parse_line(format_line(spaced)) == spaced
     assert parse_line("INFO :      [ROUND 1/3]") is None
+    assert parse_line(f"WARNING :   node 4 failed: {format_line(spaced)}") is None  # quoted, not the ServerApp's
 
 
 def test_a_fab_of_another_version_and_unmet_requirements_are_warned_about(

@@ -17,6 +17,7 @@ import pytest
 from flwr.cli.log import print_logs
 from flwr.proto.control_pb2 import StreamLogsResponse  # pylint: disable=no-name-in-module
 
+from app.tools.processes import strip_colours
 from app.tools.supervise import Flwr, LogFollower, follow, main, supervise, verdict
 from tests.test_recovery import FakeFlwr
 
@@ -172,10 +173,13 @@ def test_a_refused_configuration_is_not_submitted_again() -> None:
     command would fail the same way, so one attempt, FAILED at once."""
     exception = "app.config.schema.ConfigError: strategy='fedavgg' is not a known strategy option"
     own = "\x1b[91mERROR \x1b[0m:     invalid configuration, nothing was run: strategy='fedavgg' is not a known\n"
-    flwr = FakeFlwr([[("finished:failed", failure(own, exception))]] * 4)
+    flwr = FakeFlwr([[("finished:failed", strip_colours(failure(own, exception)))]] * 4)  # as Flwr.logs gives it
     (attempt,) = supervise(flwr, "name=x strategy=fedavgg", retries=3, poll_s=0, echo=lambda _: None)
     assert attempt.outcome == f"failed: invalid configuration: Flower says finished:failed; why: {exception}"
     assert len(flwr.submitted) == 1 and verdict("name=x", [attempt])[1].startswith("FAILED: run 'x' did not complete")
+    quoted = f"{WARN}:   node 3 failed: {own}"  # a node's error reason that quotes the words: retried
+    flwr = FakeFlwr([[("finished:failed", strip_colours(failure(quoted, exception)))]] * 2)
+    assert len(supervise(flwr, "name=x", retries=1, poll_s=0, echo=lambda _: None)) == 2
 
 
 def test_the_serverapp_refuses_a_bad_configuration_in_the_words_the_supervisor_reads(

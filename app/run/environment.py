@@ -117,10 +117,10 @@ def format_line(env: Environment) -> str:
 
 
 def parse_line(line: str) -> Environment | None:
-    """The Environment in a log line that contains `format_line`'s text (after Flower's level
-    prefix, say); None for any other line."""
-    _, mark, rest = line.partition(MARK)
-    if not mark:
+    """The Environment in `format_line`'s line, alone or after Flower's level prefix (`INFO :`);
+    None for any other line (one that only quotes it, a node's error reason say)."""
+    before, mark, rest = line.partition(MARK)
+    if not mark or before.strip() not in ("", "INFO :"):
         return None
     try:
         pairs = dict(item.split("=", 1) for item in shlex.split(rest) if "=" in item)

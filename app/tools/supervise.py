@@ -177,13 +177,15 @@ class LogFollower:
     def _line(self, line: str) -> None:
         self.echo(line)
         self.already_complete |= ALREADY_COMPLETE in line
-        self.invalid_config |= INVALID_CONFIG in line
         if self._in_traceback and line[:1] not in ("", " "):  # the exception line ends it
             self._in_traceback, self.exception = False, line
         self._in_traceback |= line.startswith("Traceback (most recent call last)")
         level, _, message = line.partition(":")
-        if level.strip() == "ERROR" and not GENERIC_ERROR.search(message.strip()):
-            self.error = message.strip()
+        message = message.strip()
+        if level.strip() == "ERROR" and not GENERIC_ERROR.search(message):
+            self.error = message
+            # at the start of the ServerApp's own line: a node's text quoted in a line cannot stop the retries
+            self.invalid_config |= message.startswith(INVALID_CONFIG)
         if (env := parse_line(line)) is not None and (warning := environment_warning(env)):
             log.warning("%s", warning)
 
