@@ -34,6 +34,8 @@ from app.protocol import (
     FROZEN,
     LEDGER_ON,
     METRICS,
+    NAME,
+    NODE,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     PARTITION_ID,
@@ -205,6 +207,13 @@ def partition_of(context: Context) -> int | None:
     """This node's partition id in simulation; None for a deployed node with its own data."""
     cfg = context.node_config
     return None if cfg.get(DATA_PATH) or PARTITION_ID not in cfg else int(cfg[PARTITION_ID])
+
+
+def about_node(context: Context) -> dict[str, ConfigRecord]:
+    """The reply's record of this node's `name` (its node config's, e.g. a site's), for the server's
+    logs: none without one. The server escapes and cuts it and shows it beside the node id."""
+    name = context.node_config.get(NAME)
+    return {NODE: ConfigRecord({NAME: str(name)})} if name not in (None, "") else {}
 
 
 def load_scaler_state(state: RecordDict) -> dict[str, float | int] | None:
@@ -399,7 +408,7 @@ def train_handler(msg: Message, context: Context) -> Message:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
     arrays = reply_arrays(job, state, context, seed, metrics)
     remember_reply(arrays, job.record, context)
-    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics)})
+    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics), **about_node(context)})
     return Message(content=content, reply_to=msg)
 
 
@@ -411,7 +420,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     metrics = {NUM_EXAMPLES: len(job.val_data), EVAL_LOSS: loss, **{EVAL_PREFIX + k: v for k, v in values.items()}}
     if (partition := partition_of(context)) is not None:
         metrics[PARTITION_ID] = partition  # the server caps num-examples at its partition's validation size
-    return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+    return Message(content=RecordDict({METRICS: MetricRecord(metrics), **about_node(context)}), reply_to=msg)
 
 
 @app.query()

@@ -27,6 +27,8 @@ from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports
     CONFIG,
     FROZEN,
     METRICS,
+    NAME,
+    NODE,
     NUM_EXAMPLES,
     PARTITION_ID,
     SERVER_ROUND,

@@ -416,10 +416,12 @@ class Deployment:
         self._wait_listening(proc, log, self.fleet_port, "nginx")
 
     def node_config(self, i: int) -> str:
-        """Node `i`'s data: its file (a TOML string: quoted, absolute), else a demo partition."""
+        """Node `i`'s name (node-i, as its key and home: the server's logs show it beside the node
+        id) and data: its file (a TOML string: quoted, absolute), else a demo partition."""
+        name = f'name="node-{i}"'
         if self.data_paths:
-            return f'data-path="{self.data_paths[i]}"'
-        return f"partition-id={i} num-partitions={self.num_nodes}"
+            return f'{name} data-path="{self.data_paths[i]}"'
+        return f"{name} partition-id={i} num-partitions={self.num_nodes}"
 
     def node_keys(self, name: str) -> tuple[Path, Path]:
         """(private, public) key of node `name`, made on first use and kept after."""

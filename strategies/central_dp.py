@@ -57,9 +57,10 @@ from opacus.accountants import RDPAccountant
 
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import BufferStep, FedBuff
+from strategies.node_names import labels
 from strategies.node_wait import wait_for_nodes
 from strategies.opacus_logging import remove_opacus_root_handler
-from strategies.replies import Rejection, Screened, ValidReply, WeightCap, reject
+from strategies.replies import Rejection, Screened, ValidReply, WeightCap, reject, warn_rejected
 from strategies.robust_ops import apply_update, float_keys
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, non_finite_keys
@@ -387,7 +388,9 @@ class DPFedAvg(FedAvg):
             return super().select_nodes(grid, fraction, minimum, kind)
         # A bounded wait for min_available_nodes (at least one). A node missing from the Poisson
         # draw only lowers its own sampling probability: the accountant's q still bounds everyone's.
-        connected = wait_for_nodes(grid, max(self.min_available_nodes, 1), 1, self.round_wait_timeout_s, self.seen)
+        connected = wait_for_nodes(
+            grid, max(self.min_available_nodes, 1), 1, self.round_wait_timeout_s, self.seen, names=self.names
+        )
         if not self.population:
             self.population = len(connected)
             log.info("central DP: population N = %d, expected cohort %g", self.population, fraction * self.population)
@@ -415,9 +418,9 @@ class DPFedAvg(FedAvg):
         noised_mean = self.dp.release(updates, self._global, self._expected_cohort, refused=refused)
         for i in refused:
             reject(screened, valid[i], NON_FINITE_UPDATE)
-        nodes = [r.node_id for r in screened.valid]
+        nodes = labels([r.node_id for r in screened.valid], self.names)
         return require_finite(
-            apply_update(self._global, noised_mean), f"round {server_round}'s model (updates of nodes {nodes})"
+            apply_update(self._global, noised_mean), f"round {server_round}'s model (updates of {nodes})"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -523,7 +526,7 @@ class DPFedBuff(FedBuff):
         update = self.dp.release(updates, current, self.buffer_size, scales, refused=refused)
         rejected = [Rejection(buffer[i].node_id, NON_FINITE_UPDATE) for i in refused]
         for rejection in rejected:
-            log.warning("rejected reply from node %s: %s", rejection.node_id, rejection.reason)
+            warn_rejected(rejection.node_id, rejection.reason, self.names)
         lr = self.server_lr / self.buffer_size
         used = [
             (r, r.arrays, r.base, lr * s)
@@ -537,8 +540,8 @@ class DPFedBuff(FedBuff):
         DPFedAvg.aggregate_models), so a model that is still not finite stops the run."""
         new, parts, state = super()._step(current, kept)
         if new is not None:
-            nodes = [p[0].node_id for p in parts if isinstance(p[0], ValidReply)]
-            require_finite(new, f"version {self.version + 1}'s model (updates of nodes {nodes})")
+            nodes = labels([p[0].node_id for p in parts if isinstance(p[0], ValidReply)], self.names)
+            require_finite(new, f"version {self.version + 1}'s model (updates of {nodes})")
         return new, parts, state
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from strategies.node_names import NodeNames
 from strategies.node_wait import wait_for_nodes
 from strategies.replies import (
     ArraySpec,
@@ -159,6 +160,8 @@ class FedAvg(Strategy):
         # a run's cohorts (and FedBuff's task numbers, hence the nodes' seeds) would too.
         self.sampler = random.Random(0)
         self.seen: set[int] = set()  # nodes sampled so far: the missing ones are named while waiting
+        # How log lines name nodes, fed by screening; the run sets one that knows its partition binding.
+        self.names = NodeNames()
         self.message_ttl_s = message_ttl_s
         self.device = torch.device(device)
         self.weight_cap = weight_cap
@@ -265,6 +268,7 @@ class FedAvg(Strategy):
             self.fewest_nodes(minimum) if kind == MessageType.TRAIN else max(minimum, 1),
             self.round_wait_timeout_s,
             self.seen,
+            names=self.names,
         )
         self.seen.update(nodes)
         return self.sampler.sample(nodes, min(wanted, len(nodes)))
@@ -365,6 +369,7 @@ class FedAvg(Strategy):
             weight_cap=self.weight_cap,
             unpack=self.unpack,
             base=self._global,
+            names=self.names,
         )
         report = self.train_report
         report.capped = [
@@ -384,7 +389,9 @@ class FedAvg(Strategy):
         return tensors_to_record(new, consume=True), weighted_metrics(used)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        screened = screen_replies(replies, None, sent=_destinations(self._sent_evaluate), weight_cap=self.weight_cap)
+        screened = screen_replies(
+            replies, None, sent=_destinations(self._sent_evaluate), weight_cap=self.weight_cap, names=self.names
+        )
         self.evaluate_report.accepted = [r.node_id for r in screened.valid]
         self.evaluate_report.rejected = screened.rejected
         return weighted_metrics(screened.valid) if screened.valid else None

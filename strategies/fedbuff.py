@@ -37,6 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.fedavg import RoundReport, task_content
+from strategies.node_names import NodeNames, label
 from strategies.node_wait import TooFewNodes
 from strategies.replies import (
     ArraySpec,
@@ -52,6 +53,7 @@ from strategies.replies import (
     payload_bytes,
     screen_reply,
     specs_of,
+    warn_rejected,
     weighted_metrics,
 )
 from strategies.robust import RobustRule
@@ -232,6 +234,7 @@ class FedBuff(Strategy):
         self.deadline_grace_s = deadline_grace_s
         self.device = torch.device(device)
         self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.run.federation
+        self.names = NodeNames()  # as FedAvg.names: how log lines name nodes
         self.unpack: Unpack | None = None  # as FedAvg.unpack: a compressed uplink's decoder
         self.downlink: Downlink | None = None  # as FedAvg.downlink: how tasks carry the model
         self.sampler = random.Random(0)  # as FedAvg.sampler: which idle nodes get tasks, seeded by the app
@@ -411,7 +414,7 @@ class FedBuff(Strategy):
             self.downlink.settle(node, not reply.has_error())
         if reply.has_error():
             self.report.failed.append(Rejection(node, error_text(reply.error)))
-            log.warning("node %s: training task failed: %s", node, error_text(reply.error))
+            log.warning("%s: training task failed: %s", label(node, self.names), error_text(reply.error))
             return
         self.report.client_metrics += [(node, m) for m in reply.content.metric_records.values()]
         self.report.bytes_up.append(payload_bytes(reply.content))
@@ -423,8 +426,8 @@ class FedBuff(Strategy):
             self.report.stale_nodes.append(node)
             self.discarded_total += 1
             log.info(
-                "node %s: update from version %d is %d versions stale (> %d): discarded",
-                node,
+                "%s: update from version %d is %d versions stale (> %d): discarded",
+                label(node, self.names),
                 task.version,
                 tau,
                 self.max_staleness,
@@ -433,11 +436,17 @@ class FedBuff(Strategy):
         base = self._models[task.version]
         try:
             valid = screen_reply(
-                reply, self._specs, node=node, weight_cap=self.weight_cap, unpack=self.unpack, base=base
+                reply,
+                self._specs,
+                node=node,
+                weight_cap=self.weight_cap,
+                unpack=self.unpack,
+                base=base,
+                names=self.names,
             )
         except InvalidReply as err:
             self.report.rejected.append(Rejection(node, str(err)))
-            log.warning("rejected reply from node %s: %s", node, err)
+            warn_rejected(node, str(err), self.names)
             return
         valid.node_id, valid.staleness, valid.base = node, tau, base
         valid.scale = self.staleness(tau)
@@ -464,7 +473,9 @@ class FedBuff(Strategy):
                 if self.downlink is not None:
                     self.downlink.settle(task.node_id, False)
                 self.report.failed.append(Rejection(task.node_id, "no reply before the message TTL"))
-                log.warning("node %s: no reply within %.0f s; task given up", task.node_id, self.message_ttl_s)
+                log.warning(
+                    "%s: no reply within %.0f s; task given up", label(task.node_id, self.names), self.message_ttl_s
+                )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -491,7 +502,7 @@ class FedBuff(Strategy):
                 [r.arrays for r in buffer], [r.base for r in buffer], [r.weight for r in buffer], self.device
             )
             return BufferStep(update, [(r, r.arrays, r.base, lr * r.weight / total) for r in buffer])
-        screened = Screened(valid=list(buffer))
+        screened = Screened(valid=list(buffer), names=self.names)
         proposed, outcome = self.buffer_rule.aggregate(self.version + 1, current, screened, [r.base for r in buffer])
         picks = RoundReport(
             accepted=[r.node_id for r in screened.valid if r.node_id not in outcome.excluded],
@@ -552,7 +563,7 @@ class FedBuff(Strategy):
                 self.velocity = None
                 continue
             report.rejected.append(Rejection(item.node_id, reason))
-            log.warning("rejected reply from node %s: %s", item.node_id, reason)
+            warn_rejected(item.node_id, reason, self.names)
         gone = {id(item) for item, _ in dropped}
         buffer = [r for r in self.buffer if id(r) not in gone]
         if new is None:

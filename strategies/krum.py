@@ -24,11 +24,11 @@ by the Gram matrix and again by the mean of the selected.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
 
+from strategies.node_names import label
 from strategies.replies import Screened, WeightCap
 from strategies.robust import RobustRule, RobustStrategy, RuleReport, reject_where
 from strategies.robust_ops import (
@@ -106,13 +106,16 @@ class MultiKrumRule(RobustRule):
         report.scores = {r.node_id: float(s) for r, s in zip(screened.valid, scores.tolist(), strict=True)}
         report.excluded = [r.node_id for i, r in enumerate(screened.valid) if i not in chosen]
         selected = [screened.valid[i] for i in chosen]
+
+        def scored(nodes: list[int]) -> str:
+            return "[" + ", ".join(f"{label(n, screened.names)}: {report.scores[n]:.4g}" for n in nodes) + "]"
+
         log.info(
-            "round %d: %s selected %s, excluded %s; scores %s",
+            "round %d: %s selected %s, excluded %s (by score: the lowest are selected)",
             server_round,
             self.name,
-            [r.node_id for r in selected],
-            report.excluded,
-            {k: f"{v:.4g}" if math.isfinite(v) else v for k, v in report.scores.items()},
+            scored([r.node_id for r in selected]),
+            scored(report.excluded),
         )
         models, bases = [models[i] for i in chosen], [bases[i] for i in chosen]
         weights = [r.scale for r in selected]  # not r.weight: claimed counts must not undo the selection

@@ -15,6 +15,8 @@ from collections.abc import Collection
 
 from flwr.serverapp import Grid
 
+from strategies.node_names import NodeNames, labels
+
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 LOG_EVERY_S = 10.0
@@ -25,16 +27,23 @@ class TooFewNodes(RuntimeError):
 
 
 def wait_for_nodes(
-    grid: Grid, wanted: int, needed: int, timeout_s: float, known: Collection[int] = (), poll_s: float = 0.5
+    grid: Grid,
+    wanted: int,
+    needed: int,
+    timeout_s: float,
+    known: Collection[int] = (),
+    poll_s: float = 0.5,
+    names: NodeNames | None = None,
 ) -> list[int]:
     """The connected nodes once `wanted` are connected; after `timeout_s`, those connected if
     they are at least `needed`; else TooFewNodes. `known`: nodes seen before, to name the
-    missing ones in the log."""
+    missing ones in the log (by `names`)."""
     start = next_log = time.monotonic()
     while True:
         nodes = list(grid.get_node_ids())
         waited = time.monotonic() - start
-        missing = sorted(set(known) - set(nodes))
+        gone = sorted(set(known) - set(nodes))
+        missing = f", missing {labels(gone, names)}" if gone else ""
         if len(nodes) >= wanted:
             if waited >= LOG_EVERY_S:
                 log.info("waited %.0f s for nodes: %d connected", waited, len(nodes))
@@ -45,13 +54,13 @@ def wait_for_nodes(
                     "waited %.0f s (federation.round_wait_timeout_s) for %d nodes%s; going on with the %d connected",
                     waited,
                     wanted,
-                    f", missing {missing}" if missing else "",
+                    missing,
                     len(nodes),
                 )
                 return nodes
             raise TooFewNodes(
                 f"only {len(nodes)} node(s) connected after waiting {waited:.0f} s "
-                f"(federation.round_wait_timeout_s={timeout_s:g}){f', missing {missing}' if missing else ''}; "
+                f"(federation.round_wait_timeout_s={timeout_s:g}){missing}; "
                 f"this round needs at least {needed} (federation.min_train_nodes, federation.min_available_nodes, "
                 "and a robust rule's minimum). The last round is checkpointed: restart the missing SuperNodes "
                 "and run the same command with name=... resume=auto, or lower those settings"
@@ -62,7 +71,7 @@ def wait_for_nodes(
                 timeout_s - waited,
                 len(nodes),
                 wanted,
-                f", missing {missing}" if missing else "",
+                missing,
             )
             next_log = time.monotonic() + LOG_EVERY_S
         time.sleep(poll_s)

@@ -62,6 +62,10 @@ class PartitionBinding:
     def partition_of(self, node_id: int) -> int | None:
         return self._by_node.get(node_id)
 
+    def holder(self, partition: int) -> int | None:
+        """The node bound to `partition` (None: not claimed yet, or a deployment)."""
+        return self._by_partition.get(partition)
+
     def unbound(self) -> list[int]:
         """Partitions no node has claimed yet (none on a deployment: there, no history is filed by partition)."""
         if not self.from_claims:

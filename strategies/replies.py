@@ -2,8 +2,8 @@
 
 A federation is open to broken and malicious nodes: every reply is checked against
 the global model it was trained from (keys, byte size, shapes, dtypes, finite values)
-and for a usable example count. Bad replies are rejected with the node id and the
-reason; the rest are aggregated.
+and for a usable example count. Bad replies are rejected with the node (its id, and its
+partition or name: strategies/node_names.py) and the reason; the rest are aggregated.
 
 A reply's `num-examples` is a claim, never trusted as it stands: the weight it earns
 is capped (`WeightCap`: the node's real partition size in simulation,
@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+from strategies.node_names import NodeNames, label
 from strategies.node_text import is_plain, printable
 from strategies.tensor_ops import TensorDict, array_view, is_finite
 from strategies.wire import NUM_EXAMPLES, PARTITION_ID
@@ -125,10 +126,16 @@ class Rejection:
 
 @dataclass
 class Screened:
-    """The outcome of screening one round's replies."""
+    """The outcome of screening one round's replies, and how its log lines name their nodes."""
 
     valid: list[ValidReply] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    names: NodeNames | None = None
+
+
+def warn_rejected(node: int, reason: str, names: NodeNames | None) -> None:
+    """The log line of every rejected reply."""
+    log.warning("rejected reply from %s: %s", label(node, names), reason)
 
 
 def _only_record(records: dict, kind: str) -> object:  # noqa: ANN401
@@ -214,13 +221,15 @@ def check_arrays(
     return tensors
 
 
-def capped_weight(claimed: float, node: int, metrics: MetricRecord, kind: str, cap: WeightCap | None) -> float:
+def capped_weight(
+    claimed: float, node: int, metrics: MetricRecord, kind: str, cap: WeightCap | None, names: NodeNames | None = None
+) -> float:
     """The weight a claimed count earns: min(claim, the node's cap, MAX_WEIGHT)."""
     limit = MAX_WEIGHT if cap is None else min(cap(node, metrics, kind), MAX_WEIGHT)
     if not limit > 0:  # also NaN
         raise InvalidReply(f"claims {claimed:g} examples, but its data holds none the server knows of")
     if claimed > limit:
-        log.info("node %s claims %g examples; counted as %g", node, claimed, limit)
+        log.info("%s claims %g examples; counted as %g", label(node, names), claimed, limit)
     return min(claimed, limit)
 
 
@@ -234,16 +243,21 @@ def screen_reply(
     weight_cap: WeightCap | None = None,
     unpack: Unpack | None = None,
     base: TensorDict | None = None,
+    names: NodeNames | None = None,
 ) -> ValidReply:
     """Validate one reply; `specs=None` checks metrics only (evaluation replies).
 
     `node` is the node the task was sent to (default: the reply's sender); its
     `weight_cap` bounds the claimed example count. `unpack` and `base`: see check_arrays.
+    `names` keeps the name the reply claims for its node, whatever the screening finds (its
+    `wire.NODE` record is read for that alone: a reply's ConfigRecords are otherwise ignored).
     """
     if msg.has_error():
         raise InvalidReply(error_text(msg.error))
     node = msg.metadata.src_node_id if node is None else node
     content = msg.content
+    if names is not None:
+        names.hear(node, content)
     metrics = _only_record(content.metric_records, "MetricRecord")
     for key in metrics:  # a metric's name becomes a column in metrics.jsonl, TensorBoard and MLflow
         if len(key) > MAX_METRIC_NAME or not is_plain(key):
@@ -251,7 +265,7 @@ def screen_reply(
                 f"metric name '{printable(key, 40)}' is over {MAX_METRIC_NAME} characters or holds control characters"
             )
     kind = MessageType.TRAIN if specs is not None else MessageType.EVALUATE
-    weight = capped_weight(reply_weight(metrics, weight_key), node, metrics, kind, weight_cap)
+    weight = capped_weight(reply_weight(metrics, weight_key), node, metrics, kind, weight_cap, names)
     arrays = (
         check_arrays(_only_record(content.array_records, "ArrayRecord"), specs, check_finite, unpack, base)
         if specs is not None
@@ -269,24 +283,33 @@ def screen_replies(
     weight_cap: WeightCap | None = None,
     unpack: Unpack | None = None,
     base: TensorDict | None = None,
+    names: NodeNames | None = None,
 ) -> Screened:
     """Split replies into valid ones and logged rejections.
 
     `sent` (message id -> destination node) names the node a reply is about: an error
     the SuperLink answers for a vanished node (NODE_UNAVAILABLE) comes from the SuperLink's
-    own node id, not from the node the task was for.
+    own node id, not from the node the task was for. `names`: see screen_reply.
     """
-    out = Screened()
+    out = Screened(names=names)
     for msg in replies:
         node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
         try:
             reply = screen_reply(
-                msg, specs, weight_key, check_finite, node=node, weight_cap=weight_cap, unpack=unpack, base=base
+                msg,
+                specs,
+                weight_key,
+                check_finite,
+                node=node,
+                weight_cap=weight_cap,
+                unpack=unpack,
+                base=base,
+                names=names,
             )
             out.valid.append(reply)
         except InvalidReply as err:
             out.rejected.append(Rejection(node, str(err)))
-            log.warning("rejected reply from node %s: %s", node, err)
+            warn_rejected(node, str(err), names)
     return out
 
 
@@ -294,7 +317,7 @@ def reject(screened: Screened, reply: ValidReply, reason: str) -> None:
     """Move a reply that passed screening to the rejections (found bad while aggregating)."""
     screened.valid.remove(reply)
     screened.rejected.append(Rejection(reply.node_id, reason))
-    log.warning("rejected reply from node %s: %s", reply.node_id, reason)
+    warn_rejected(reply.node_id, reason, screened.names)
 
 
 # Reply metrics that describe a node rather than its training: not averaged.

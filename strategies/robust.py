@@ -235,7 +235,7 @@ class RobustStrategy(FedAvg):
         last: list[tuple[Screened, RuleReport]] = []
 
         def step(kept: list[ValidReply]) -> tuple[TensorDict | None, list[Part]]:
-            attempt = Screened(valid=list(kept))
+            attempt = Screened(valid=list(kept), names=screened.names)
             new, outcome = self.rule.aggregate(server_round, self._global, attempt, [self._global] * len(kept))
             last[:] = [(attempt, outcome)]
             return new, [(r, r.arrays, self._global, 1.0) for r in attempt.valid if r.node_id not in outcome.excluded]

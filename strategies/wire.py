@@ -15,3 +15,8 @@ TASK = "task"  # FedBuff: the task's serial number (a fresh shuffle per task)
 # node_config of a simulated SuperNode; also in replies: the server binds the node to it and caps its weight
 PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"  # a reply's weight claim (capped by the server: strategies/replies.py)
+# A reply's ConfigRecord of what a node says about itself: NAME, the `name` in its node config (a
+# deployed SuperNode's site name, also that node_config key). A claim for logs only, always shown
+# beside the node id (strategies/node_names.py).
+NODE = "node"
+NAME = "name"

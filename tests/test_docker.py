@@ -246,8 +246,10 @@ def test_supernodes_authenticate_and_keep_their_runtime_api_private(layout: str,
         (config,) = configs
         _assert_mounted_read_only(services["supernode"], config["data-path"], "site data")
         assert _mounts(services["supernode"])[config["data-path"]]["source"] == CLIENT_ENV["DATA_PATH"]
+        assert config["name"] == ""  # SITE_NAME unset: no name, the server's logs show the node id alone
     else:
         assert [(c["partition-id"], c["num-partitions"]) for c in configs] == [(0, 3), (1, 3), (2, 3)]
+        assert [c["name"] for c in configs] == ["node-0", "node-1", "node-2"]  # shown beside the node ids
 
 
 def test_all_in_one_registers_exactly_the_supernode_keys_before_they_start(tmp_path: Path) -> None:

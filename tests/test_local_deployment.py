@@ -75,7 +75,7 @@ def test_the_recorded_deployment_reads_back_and_down_stops_nodes_first_and_never
     back = local_deployment.Deployment.load(tmp_path / "state")
     assert (back.port, back.node_ports, back.node_ids, back.pids) == (9555, fed.node_ports, [11, 22], fed.pids)
     assert back.data_paths == files and back.secure and not back.edge
-    assert back.node_config(1) == f'data-path="{files[1]}"'  # a TOML string: quoted
+    assert back.node_config(1) == f'name="node-1" data-path="{files[1]}"'  # TOML strings: quoted
     assert back.homes() == ["node-0", "node-1", "edge", "stranger", "superexec", "superlink"]
     code, out = _main(capsys, "up", "--state-dir", str(tmp_path / "state"), "--nodes", "3")
     assert code == 1 and "holds a deployment of 2 nodes" in out, out

@@ -153,7 +153,7 @@ def test_a_node_sending_a_poisoned_history_is_rejected_and_the_run_goes_on(tmp_p
         assert rejected["node_id"] == 1002 and "local-DP accountant history refused" in rejected["reason"]
         (refused,) = row["dp_history_rejected"]
         assert refused["node_id"] == 1002 and "σ=1e-300" in refused["reason"]
-    assert re.search(r"rejected reply from node 1002: local-DP accountant history refused", caplog.text)
+    assert re.search(r"rejected reply from partition 2 \(node 1002\): local-DP accountant history refused", caplog.text)
     expected = {f"partition-{i}": _accountant_epsilon(_context_history(grid.contexts[1000 + i])) for i in (0, 1)}
     assert summary["privacy"]["client_epsilon"] == pytest.approx(expected, rel=1e-12)
 

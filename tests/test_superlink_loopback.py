@@ -313,8 +313,9 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
     assert rows[0]["num_clients"] == 2 and rows[0]["train"]["num-examples"] == both, rows[0]
     assert rows[1]["num_clients"] == 1 and rows[1]["train"]["num-examples"] == lost, rows[1]
     assert rows[1]["num_missing"] + rows[1]["num_rejected"] == 1, rows[1]
-    # The wait named the missing node and the setting; after it, both sites trained again.
-    assert f"missing [{fed.node_ids[1]}]" in log and "federation.round_wait_timeout_s" in log, log[-3000:]
+    # The wait named the missing node (its node config's name beside its id) and the setting; after
+    # it, both sites trained again.
+    assert f"missing [node-1 (node {fed.node_ids[1]})]" in log and "federation.round_wait_timeout_s" in log, log[-3000:]
     assert rows[-1]["num_clients"] == 2 and rows[-1]["train"]["num-examples"] == both, rows[-1]
     # The ledger names each node by its registered key too, as `ssh-keygen -lf` prints it.
     keys = {fed.node_ids[i]: _ssh_fingerprint(fed.creds / "keys" / f"node-{i}.pub") for i in range(2)}

@@ -54,6 +54,7 @@ from app.task.models import model_key, trainable_keys
 from app.task.training import evaluate, model_inputs, resolve_device, resolve_precision
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
+from strategies.node_names import NodeNames, labels
 from strategies.node_wait import TooFewNodes
 from strategies.partitions import PartitionBinding
 from strategies.replies import payload_bytes
@@ -202,6 +203,8 @@ class FederatedRun:
         # Simulated nodes report their partition and the first claim binds; a deployed node's claim
         # binds nothing (strategies/partitions.py).
         self.partitions = PartitionBinding(len(self.nodes), from_claims=runs_simulated_nodes(grid))
+        # Log lines name a simulated node by its bound partition, a deployed one by its node config's name.
+        self.strategy.names = NodeNames(self.partitions.partition_of)
         log.info(
             "partition claims: %s",
             "the first binds (simulated nodes)"
@@ -275,6 +278,7 @@ class FederatedRun:
         )
         if self.attacked:
             log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, self.attacked, cfg.attack.scale)
+        self.named_attackers: set[int] = set()  # malicious partitions whose node the log has named
         # One live record: FedBuff copies it into every task (per-node additions: strategy.node_config).
         self.client_config = ConfigRecord(
             {
@@ -285,6 +289,7 @@ class FederatedRun:
         )
         self.stop_reason = "rounds"
         self.privacy = run_privacy(cfg, self.strategy, self.partitions, run_state)
+        self.privacy.names = self.strategy.names
         if self.ledger is not None:
             self.strategy.node_config = with_receipts(self.strategy.node_config, self.ledger)
         dp = getattr(self.strategy, "dp", None)
@@ -432,6 +437,7 @@ class FederatedRun:
         row, and the live metrics (per node from `client_metrics` only where the row may be exact)."""
         row.update(self.privacy.row())
         check_columns(row, self.task.names)
+        self.name_attackers()
         if (described := self.privacy.describe(row)) is not None:
             log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
         state = self.full_state(self.arrays)  # hashed for the ledger and checkpointed: built once
@@ -446,6 +452,29 @@ class FederatedRun:
         self.recorder.log_round(recorded)
         exact = self.cfg.privacy.name == "none" or self.cfg.privacy.report_exact
         self.monitor.observe(recorded, client_metrics if exact else [])
+
+    def name_attackers(self) -> None:
+        """Which nodes hold the malicious partitions, once their first claims have bound them
+        (simulation; a deployment binds none), each named once."""
+        holders = {p: self.partitions.holder(p) for p in self.attacked if p not in self.named_attackers}
+        found = {p: node for p, node in holders.items() if node is not None}
+        if found:
+            self.named_attackers |= found.keys()
+            log.info("attack %s: malicious nodes %s", self.cfg.attack.name, labels(found.values(), self.strategy.names))
+
+    @staticmethod
+    def cohort(row: dict[str, Any]) -> str:
+        """A round line's counts. A plain mean uses every reply it accepts: `clients` (accepted, and
+        used) and `rejected`. A robust rule uses the ones it selects among them, so its line counts
+        the replies received, accepted, selected (0 when the round was skipped) and rejected apart.
+        `missing`: tasks sent without a reply, when there are any."""
+        rejected, missing = row["num_rejected"], row["num_missing"]
+        tail = f"  rejected {rejected}" + (f"  missing {missing}" if missing else "")
+        if row["robust"] is None:
+            return f"clients {row['num_clients']}{tail}"
+        replies = row["num_sampled"] - missing
+        selected = row["num_clients"] if row["model_updated"] else 0
+        return f"replies {replies}  accepted {replies - rejected}  selected {selected}{tail}"
 
     def timed_row(
         self, rnd: int, metrics: dict[str, float] | None, loss: float | None, step_s: float
@@ -521,15 +550,13 @@ class FederatedRun:
                 )
             self.finish_round(rnd, row, nodes, client_metrics)
             log.info(
-                "[round %d/%d] %s  %.1fs%s  clients %d  rejected %d%s",
+                "[round %d/%d] %s  %.1fs%s  %s",
                 rnd,
                 cfg.federation.rounds,
                 self.describe(loss, metrics),
                 row["round_time_s"],
                 self.sim_note(row),
-                row["num_clients"],
-                row["num_rejected"],
-                f"  missing {row['num_missing']}" if row["num_missing"] else "",
+                self.cohort(row),
             )
             if self.should_stop(rnd, metrics):
                 break

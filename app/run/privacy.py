@@ -19,6 +19,7 @@ from app.config.schema import PrivacyConfig
 from app.privacy.accounting import Allowance, HistoryLedger, MalformedHistory, Prescription, history_key
 from app.protocol import PARTITION_ID
 from strategies.central_dp import CentralDP
+from strategies.node_names import NodeNames, label
 from strategies.partitions import PartitionBinding
 from strategies.replies import InvalidReply, WeightCap
 
@@ -29,6 +30,7 @@ class NoPrivacy:
     """privacy=none: nothing to account, report or checkpoint."""
 
     drain = False  # FedBuff: leave tasks in flight at the stop (their replies spend nothing)
+    names: NodeNames | None = None  # how log lines name nodes: the strategy's (set by the run)
 
     def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
         """Note what the replies spent (nothing here)."""
@@ -162,7 +164,7 @@ class LocalPrivacy(NoPrivacy):
             try:
                 grown = self.ledger.record(key, node, metrics, self.allowance(node, metrics))
             except MalformedHistory as err:
-                log.warning("node %s: local-DP accountant history for %s refused: %s", node, key, err)
+                log.warning("%s: local-DP accountant history for %s refused: %s", label(node, self.names), key, err)
                 self.rejections.append({"node_id": node, "key": key, "reason": str(err)})
                 self.pairs[node] += err.computed  # refused after its RDP was computed: still charged
                 continue
