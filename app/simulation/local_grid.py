@@ -14,6 +14,7 @@ app.tools.in_process.run_in_process.
 
 from __future__ import annotations
 
+import ast
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -33,6 +34,32 @@ def act_as_server() -> None:
     """Give this process the task identity Flower's runtime would set for a ServerApp,
     so Messages can be built outside a real run (tests, sweeps, benchmarks)."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+
+
+_AST_LOCK = threading.RLock()
+
+
+def serialise_ast_parse() -> None:
+    """Let one thread at a time run `ast.parse` in this process (idempotent).
+
+    Why by hand: CPython 3.11 keeps the AST constructor's recursion depth per interpreter,
+    not per thread, so two threads parsing at once (numpy reads every array header with
+    `ast.literal_eval`; torch parses signatures on import) can raise "SystemError: AST
+    constructor recursion depth mismatch" (python/cpython#106905): a node's training then
+    fails at random. Only concurrent node threads need it; Flower runs each ClientApp in a
+    process of its own. `ast.literal_eval` and `inspect` look `parse` up in the ast module,
+    so replacing it there covers them.
+    """
+    if getattr(ast.parse, "serialised", False):
+        return
+    parse = ast.parse
+
+    def serialised_parse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with _AST_LOCK:
+            return parse(*args, **kwargs)
+
+    serialised_parse.serialised = True  # type: ignore[attr-defined]
+    ast.parse = serialised_parse  # type: ignore[assignment]
 
 
 class InProcessGrid(Grid):
@@ -58,6 +85,8 @@ class InProcessGrid(Grid):
             )
             for i in range(num_nodes)
         }
+        if workers > 0:
+            serialise_ast_parse()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="node") if workers > 0 else None
         self._pending: dict[str, tuple[Message, Future[Message | None]]] = {}
         self._lock = threading.Lock()
