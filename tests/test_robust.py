@@ -229,6 +229,5 @@ def test_robust_fedbuff_buffer_weighs_by_staleness_not_by_claims():
     weights = [min(c, 20.0) * sc for c, sc in zip(claims, scales, strict=True)]
     expected = v1["w"] + sum(w * u for w, u in zip(weights, updates, strict=True)) / sum(weights)
     np.testing.assert_allclose(new["w"].numpy(), expected, rtol=1e-5, atol=1e-6)
-    assert [(u["num_examples"], u["weight"]) for u in s.report.applied] == pytest.approx(
-        list(zip(claims, weights, strict=True))
-    )
+    assert [u["num_examples"] for u in s.report.applied] == claims
+    assert [u["weight"] for u in s.report.applied] == pytest.approx(weights)  # flat: pytest 9.1+ refuses nested approx
