@@ -20,7 +20,7 @@ from app.task.batch_size import largest_fitting, resolve_batch_size
 from app.task.data import DataSpec, Examples, load_splits, materialize
 from app.task.gpu_memory import MemoryCap, cap_memory, memory_share
 from app.task.models import build_model
-from app.task.training import Precision, Steps, evaluate, resolve_precision, smaller_micro_batch, train
+from app.task.training import Precision, Steps, evaluate, resolve_precision, smaller_micro_batch, train, warm_up
 
 DIGITS = DataSpec((1, 8, 8), 10)
 CPU = resolve_precision("off", torch.device("cpu"))
@@ -121,6 +121,21 @@ def _trained(digits, limit: int | None, batch: int = 32):
     return model.state_dict(), stats, net
 
 
+def test_an_oom_in_the_warm_up_is_left_to_the_loop_and_other_errors_are_not(digits):
+    """fit warms up on CUDA before its clock: an out-of-memory error there must not end the
+    task (it did on an H200 under a 1.5 GiB cap) but leave the batch to the loop's micro-batches."""
+    net = OomAbove(build_model(ModelConfig(), DIGITS), limit=10)
+    steps = Steps(net, TrainConfig(batch_size=32), CPU, torch.Generator().manual_seed(0))
+    warm_up(steps, digits)
+    assert net.raised == 1 and all(p.grad is None for p in net.parameters())  # stopped at the first size
+    broken = Steps(
+        OomAbove(build_model(ModelConfig(), DIGITS), limit=-1), TrainConfig(batch_size=32), CPU, torch.Generator()
+    )
+    broken.net.forward = lambda x: (_ for _ in ()).throw(RuntimeError("shape mismatch"))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        warm_up(broken, digits)
+
+
 def test_an_oom_halves_the_micro_batch_and_the_model_equals_the_run_without(digits):
     plain, plain_stats, _ = _trained(digits, None)
     recovered, stats, net = _trained(digits, limit=10)
@@ -177,21 +192,28 @@ def test_evaluation_halves_its_batch_on_oom_and_gets_the_same_numbers(digits):
 
 class FakeCuda:
     """torch.cuda as a 24 GiB device whose process holds `used` bytes (NVML) of which PyTorch
-    reserved `reserved`; records the cap set."""
+    reserved `reserved`; records the cap set, and refuses a device without an index as torch
+    does (a bare "cuda" failed on an H200 before the cap resolved the current device)."""
 
     def __init__(self, monkeypatch, used: int | None, reserved: int = 100 * MiB) -> None:
         self.fractions: list[float] = []
+        self.devices: list[int] = []
         props = SimpleNamespace(total_memory=24 * GiB)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
-        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: self.fractions.append(f))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
         monkeypatch.setattr(gpu_memory, "process_gpu_memory", lambda device: used)
+
+    def set_fraction(self, fraction: float, device) -> None:
+        self.devices.append(torch._utils._get_device_index(device))  # raises on a bare "cuda", as torch does
+        self.fractions.append(fraction)
 
 
 def test_the_cap_is_the_share_less_what_the_process_holds_outside_pytorch(monkeypatch):
     cuda = FakeCuda(monkeypatch, used=612 * MiB)  # 512 MiB of CUDA context beyond the 100 reserved
     cap = cap_memory(torch.device("cuda"), 0.25)
-    assert cuda.fractions == [pytest.approx(0.25 - 512 * MiB / (24 * GiB))]
+    assert cuda.fractions == [pytest.approx(0.25 - 512 * MiB / (24 * GiB))] and cuda.devices == [0]
     assert cap.limit_bytes == int(cuda.fractions[0] * 24 * GiB) and cap.limit_bytes == 6 * GiB - 512 * MiB
     assert cap.metrics() == {"gpu-mem-share": 0.25, "gpu-mem-cap-mb": 6 * 1024 - 512}
 

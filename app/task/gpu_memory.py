@@ -89,7 +89,9 @@ def cap_memory(device: torch.device, share: float | None) -> MemoryCap | None:
             f"no more than this process's CUDA context ({outside / 2**20:.0f} MiB): put fewer clients on "
             "each GPU (a larger client-resources-num-gpus) or raise train.gpu_memory_fraction"
         )
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    # torch wants an index here; a bare "cuda" (the usual ClientApp device) means the current one.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return MemoryCap(share=share, limit_bytes=int(fraction * total))
 
 

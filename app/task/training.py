@@ -396,10 +396,22 @@ def forward_backward(
 def warm_up(steps: Steps, data: Examples) -> None:
     """One forward and backward per batch size the loop will see, before the clock starts
     (`fit` does it on CUDA): lazy kernel loading, cuBLAS set-up and cuDNN autotuning would
-    otherwise be timed (in a deployed node's fresh process, every round)."""
+    otherwise be timed (in a deployed node's fresh process, every round). A size that runs out
+    of memory ends the warm-up: the loop meets the same error and retries in micro-batches
+    (an H200 run under a 1.5 GiB cap crashed here, before the loop could)."""
+    oom = False
     with scratch(steps):
         for size in steps.batch_sizes(len(data)):
-            forward_backward(steps, data.x[:size], data.y[:size])
+            try:
+                forward_backward(steps, data.x[:size], data.y[:size])
+            except Exception as err:  # noqa: BLE001 - anything but out-of-memory is re-raised
+                if not is_oom(err):
+                    raise
+                oom = True
+                break
+    if oom:  # outside the handler, so the failed pass's tensors are gone
+        release(steps.precision.device)
+        log.info("warm-up ran out of memory on a batch of %d: the loop will split it", size)
 
 
 def accumulate(
