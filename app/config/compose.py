@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from app.config.schema import Config, ConfigError
-from app.config.validate import validate
+from app.config.validate import problem_block, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Config nodes that name a callable with `_target_`: their other keys are its keyword arguments.
@@ -148,19 +148,12 @@ def compose_config(overrides: str | list[str] = "") -> DictConfig:
     items = with_kwargs(items)
     problems += _key_problems(items, groups)
     if problems:
-        raise ConfigError(_block(problems))
+        raise ConfigError(problem_block(problems))
     try:
         return _hydra_compose(items)
     except (HydraException, OmegaConfBaseException) as err:
         first = str(err).splitlines()[0]
         raise ConfigError(f"bad override in {items}: {first}") from None
-
-
-def _block(problems: list[str]) -> str:
-    """One problem on the line; several as a list under a count."""
-    if len(problems) == 1:
-        return problems[0]
-    return f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 # The keys of a `_target_` node that are the app's own; any other key is an argument of the callable.
@@ -205,7 +198,7 @@ def to_typed(cfg: DictConfig) -> Config:
             if not _drop(tree, key):
                 break
     if problems:
-        raise ConfigError(_block(problems))
+        raise ConfigError(problem_block(problems))
     return typed  # type: ignore[return-value]
 
 

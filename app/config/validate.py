@@ -1,5 +1,6 @@
-"""Range checks on a typed config, one function per section: a bad value fails before any
-work starts, with a message that names the key, the value and what is allowed."""
+"""Range checks on a typed config, one function per section: bad values fail before any
+work starts, all of them in one ConfigError (`Problems`), each on its own line naming the key,
+the value and what is allowed."""
 
 from __future__ import annotations
 
@@ -43,50 +44,95 @@ _TARGET_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 _DIR_NAME_RE = re.compile(r"[^./\\\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]*")
 
 
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+def problem_block(problems: list[str]) -> str:
+    """One problem on the line; several as a list under a count. Every ConfigError that names
+    more than one problem reads this way: unknown keys and wrong types (app/config/compose.py),
+    and the range checks here."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
 
 
-def _one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
-    _require(value in options, key, value, "allowed: " + ", ".join(options))
+class Problems:
+    """The invalid keys of one config, collected so that `validate` names them all in one
+    ConfigError (as Opacus's ModuleValidator does) rather than one per try.
+
+    One problem per key: the first check of a key that fails is the one reported, and a key
+    that already failed is not checked again (a later check of it assumes the earlier one
+    passed). A check whose value needs another key to be valid (a path of the chosen dataset,
+    a name made from a metric's target) asks first: `require` and `one_of` return whether the
+    key is valid, `ok` whether keys checked before are.
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[str, str] = {}  # key -> its problem, in the order found
+
+    def require(self, ok: object, key: str, value: Any, allowed: str) -> bool:  # noqa: ANN401
+        """Record `key=value is invalid: allowed` unless `ok`; whether `key` is valid so far."""
+        if key in self._found:
+            return False
+        if not ok:
+            self._found[key] = f"{key}={value!r} is invalid: {allowed}"
+        return bool(ok)
+
+    def one_of(self, key: str, value: Any, options: tuple[str, ...]) -> bool:  # noqa: ANN401
+        return self.require(value in options, key, value, "allowed: " + ", ".join(options))
+
+    def ok(self, *keys: str) -> bool:
+        """None of `keys` has failed a check so far."""
+        return not any(key in self._found for key in keys)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    def raise_if_any(self) -> None:
+        """One ConfigError naming every problem found (each on its own line), if any was."""
+        if self._found:
+            raise ConfigError(problem_block(list(self._found.values())))
 
 
-def check_dir_name(key: str, value: str) -> None:
+def check_dir_name(key: str, value: str, problems: Problems | None = None) -> bool:
     """A name that becomes a directory under a root (`name`, `sweep.name`) must be one safe
-    path component: '../x' or '/abs' would write outside the root."""
-    _require(
-        _DIR_NAME_RE.fullmatch(value) is not None,
+    path component: '../x' or '/abs' would write outside the root. Raises ConfigError at once,
+    or, given `problems`, records the problem there; returns whether the name is safe."""
+    p = Problems() if problems is None else problems
+    ok = p.require(
+        isinstance(value, str) and _DIR_NAME_RE.fullmatch(value) is not None,
         key,
         value,
         "must be a single directory name under its root: not empty, no '/', '\\' or control "
         "characters, not starting with '.'",
     )
+    if problems is None:
+        p.raise_if_any()
+    return ok
 
 
 def validate(cfg: Config) -> Config:
-    """Reject values that cannot work, before any training starts."""
+    """Reject values that cannot work, before any training starts: one ConfigError names
+    every invalid key (`Problems`), so a user fixes them all in one try."""
+    p = Problems()
     s = cfg.strategy
-    _one_of("strategy.name", s.name, STRATEGIES)
-    _require(s.num_byzantine >= 0, "strategy.num_byzantine", s.num_byzantine, "must be >= 0")
-    _require(s.num_selected >= 1, "strategy.num_selected", s.num_selected, "must be >= 1")
+    p.one_of("strategy.name", s.name, STRATEGIES)
+    p.require(s.num_byzantine >= 0, "strategy.num_byzantine", s.num_byzantine, "must be >= 0")
+    p.require(s.num_selected >= 1, "strategy.num_selected", s.num_selected, "must be >= 1")
     if s.name == "krum":
-        _require(
+        p.require(
             s.num_selected == 1,
             "strategy.num_selected",
             s.num_selected,
             "Krum selects 1; use strategy=multikrum for m > 1",
         )
-    _require(
+    p.require(
         0.0 <= s.trim_ratio < 0.5,
         "strategy.trim_ratio",
         s.trim_ratio,
         "must be in [0, 0.5): 0.5 or more trims everything",
     )
-    _one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
-    _validate_fedbuff(s)
+    p.one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
+    _validate_fedbuff(p, s)
     if s.name == "fedbuff":
-        _require(
+        p.require(
             cfg.federation.fraction_evaluate == 0,
             "federation.fraction_evaluate",
             cfg.federation.fraction_evaluate,
@@ -94,12 +140,12 @@ def validate(cfg: Config) -> Config:
         )
 
     c = cfg.compression
-    _one_of("compression.name", c.name, COMPRESSIONS)
-    _require(0 < c.ratio <= 1, "compression.ratio", c.ratio, "must be in (0, 1]: the fraction of entries sent")
-    _one_of("compression.downlink", c.downlink, DOWNLINKS)
-    _require(c.downlink_nodes >= 1, "compression.downlink_nodes", c.downlink_nodes, "must be >= 1")
+    p.one_of("compression.name", c.name, COMPRESSIONS)
+    p.require(0 < c.ratio <= 1, "compression.ratio", c.ratio, "must be in (0, 1]: the fraction of entries sent")
+    p.one_of("compression.downlink", c.downlink, DOWNLINKS)
+    p.require(c.downlink_nodes >= 1, "compression.downlink_nodes", c.downlink_nodes, "must be >= 1")
     if c.downlink == "delta":
-        _require(
+        p.require(
             c.name != "none",
             "compression.downlink",
             c.downlink,
@@ -107,43 +153,46 @@ def validate(cfg: Config) -> Config:
             "bf16, topk), or use compression.downlink=fp16",
         )
 
-    _one_of("ledger", cfg.ledger.name, LEDGERS)
+    p.one_of("ledger", cfg.ledger.name, LEDGERS)
     led = cfg.ledger
-    _one_of("ledger.contribution", led.contribution, CONTRIBUTIONS)
-    if led.contribution != "none":
-        _require(
+    if p.one_of("ledger.contribution", led.contribution, CONTRIBUTIONS) and led.contribution != "none":
+        p.require(
             led.name == "on", "ledger.contribution", led.contribution, "the scores go into the ledger: set ledger=on"
         )
-        _require(
+        p.require(
             cfg.privacy.name not in ("central", "central_adaptive"),
             "ledger.contribution",
             led.contribution,
             "per-node scores from raw updates are outside central DP's epsilon; use privacy=local or none",
         )
-        _one_of("ledger.contribution_value", led.contribution_value, ("loss", "metric"))
-        _require(led.shapley_permutations >= 1, "ledger.shapley_permutations", led.shapley_permutations, "must be >= 1")
-        _require(led.shapley_tolerance >= 0, "ledger.shapley_tolerance", led.shapley_tolerance, "must be >= 0")
-        _require(led.validation_examples >= 1, "ledger.validation_examples", led.validation_examples, "must be >= 1")
+        p.one_of("ledger.contribution_value", led.contribution_value, ("loss", "metric"))
+        p.require(
+            led.shapley_permutations >= 1, "ledger.shapley_permutations", led.shapley_permutations, "must be >= 1"
+        )
+        p.require(led.shapley_tolerance >= 0, "ledger.shapley_tolerance", led.shapley_tolerance, "must be >= 0")
+        p.require(led.validation_examples >= 1, "ledger.validation_examples", led.validation_examples, "must be >= 1")
     m = cfg.monitoring
-    _require(0 <= m.prometheus_port <= 65535, "monitoring.prometheus_port", m.prometheus_port, "0 (off) or a TCP port")
-    _require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")
+    p.require(0 <= m.prometheus_port <= 65535, "monitoring.prometheus_port", m.prometheus_port, "0 (off) or a TCP port")
+    p.require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")
 
-    _validate_privacy(cfg)
+    _validate_privacy(p, cfg)
 
     g = cfg.stragglers
-    _one_of("stragglers.name", g.name, STRAGGLERS)
-    _require(all(x >= 1 for x in g.factors), "stragglers.factors", g.factors, "slowdowns must be >= 1 (1 = full speed)")
+    p.one_of("stragglers.name", g.name, STRAGGLERS)
+    p.require(
+        all(x >= 1 for x in g.factors), "stragglers.factors", g.factors, "slowdowns must be >= 1 (1 = full speed)"
+    )
     if g.name == "fixed":
-        _require(bool(g.factors), "stragglers.factors", g.factors, "stragglers=fixed needs a list, e.g. [5,5,5]")
-    _require(g.sigma >= 0, "stragglers.sigma", g.sigma, "must be >= 0")
-    _require(0 <= g.dropout < 1, "stragglers.dropout", g.dropout, "must be in [0, 1)")
-    _validate_fleet(cfg)
+        p.require(bool(g.factors), "stragglers.factors", g.factors, "stragglers=fixed needs a list, e.g. [5,5,5]")
+    p.require(g.sigma >= 0, "stragglers.sigma", g.sigma, "must be >= 0")
+    p.require(0 <= g.dropout < 1, "stragglers.dropout", g.dropout, "must be in [0, 1)")
+    _validate_fleet(p, cfg)
 
     a = cfg.attack
-    _one_of("attack.name", a.name, ATTACKS)
-    _require(a.num_malicious >= 0, "attack.num_malicious", a.num_malicious, "must be >= 0")
-    _require(a.scale > 0, "attack.scale", a.scale, "must be > 0")
-    _require(
+    p.one_of("attack.name", a.name, ATTACKS)
+    p.require(a.num_malicious >= 0, "attack.num_malicious", a.num_malicious, "must be >= 0")
+    p.require(a.scale > 0, "attack.scale", a.scale, "must be > 0")
+    p.require(
         0 < a.claimed_examples < float("inf"),
         "attack.claimed_examples",
         a.claimed_examples,
@@ -151,62 +200,62 @@ def validate(cfg: Config) -> Config:
     )
 
     d = cfg.dataset
-    _one_of("dataset.name", d.name, DATASETS)
+    p.one_of("dataset.name", d.name, DATASETS)
     if d.name == "npz":
-        _require(bool(d.path), "dataset.path", d.path, "dataset=npz needs dataset.path=/abs/path/data.npz")
-        _require(Path(d.path).is_file(), "dataset.path", d.path, "no such .npz file")
+        if p.require(bool(d.path), "dataset.path", d.path, "dataset=npz needs dataset.path=/abs/path/data.npz"):
+            p.require(Path(d.path).is_file(), "dataset.path", d.path, "no such .npz file")
     if d.name == "hf_disk":
-        _require(bool(d.path), "dataset.path", d.path, "dataset=hf_disk needs dataset.path=<save_to_disk dir>")
-        _require(Path(d.path).is_dir(), "dataset.path", d.path, "no such directory")
+        if p.require(bool(d.path), "dataset.path", d.path, "dataset=hf_disk needs dataset.path=<save_to_disk dir>"):
+            p.require(Path(d.path).is_dir(), "dataset.path", d.path, "no such directory")
     if d.name == "hf":
-        _require(
+        p.require(
             bool(d.hf_name), "dataset.hf_name", d.hf_name, "dataset=hf needs dataset.hf_name=<user/name on the Hub>"
         )
     if d.name == "python":
-        _require_target("dataset._target_", d.target)
-    _require(0.0 < d.test_fraction < 1.0, "dataset.test_fraction", d.test_fraction, "must be in (0, 1)")
-    _require(0.0 <= d.val_fraction < 1.0, "dataset.val_fraction", d.val_fraction, "must be in [0, 1)")
+        _require_target(p, "dataset._target_", d.target)
+    p.require(0.0 < d.test_fraction < 1.0, "dataset.test_fraction", d.test_fraction, "must be in (0, 1)")
+    p.require(0.0 <= d.val_fraction < 1.0, "dataset.val_fraction", d.val_fraction, "must be in [0, 1)")
 
-    p = cfg.partition
-    _one_of("partition.name", p.name, PARTITIONS)
-    _require(p.alpha > 0, "partition.alpha", p.alpha, "must be > 0 (smaller = more label skew)")
-    _require(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size, "must be >= 1")
+    part = cfg.partition
+    p.one_of("partition.name", part.name, PARTITIONS)
+    p.require(part.alpha > 0, "partition.alpha", part.alpha, "must be > 0 (smaller = more label skew)")
+    p.require(part.min_partition_size >= 1, "partition.min_partition_size", part.min_partition_size, "must be >= 1")
 
-    _validate_model(cfg)
+    _validate_model(p, cfg)
 
     t = cfg.train
-    _require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
-    _require(
+    p.require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
+    p.require(
         t.batch_size == "auto" or (type(t.batch_size) is int and t.batch_size >= 1),
         "train.batch_size",
         t.batch_size,
         "must be an integer >= 1 or auto",
     )
-    _require(
+    p.require(
         not (t.batch_size == "auto" and cfg.privacy.name == "local"),
         "train.batch_size",
         t.batch_size,
         "privacy=local needs a fixed batch size: it sets DP-SGD's sampling rate and so epsilon, "
         "which must not depend on a node's GPU",
     )
-    _require(t.max_batch_size >= 1, "train.max_batch_size", t.max_batch_size, "must be >= 1")
-    _validate_local_devices(cfg)
-    _require(
+    p.require(t.max_batch_size >= 1, "train.max_batch_size", t.max_batch_size, "must be >= 1")
+    _validate_local_devices(p, cfg)
+    p.require(
         0.0 <= t.gpu_memory_fraction <= 1.0,
         "train.gpu_memory_fraction",
         t.gpu_memory_fraction,
         "must be in [0, 1] (0 = the simulation's GPU share, or no cap)",
     )
-    _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
-    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
-    _require(0.0 <= t.momentum < 1.0, "train.momentum", t.momentum, "must be in [0, 1)")
-    _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
-    _one_of("train.amp", t.amp, AMP_MODES)
-    _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
-    _require(bool(_DEVICE_RE.match(t.device)), "train.device", t.device, "allowed: auto, cpu, cuda, cuda:N")
-    _require(t.telemetry_interval_s > 0, "train.telemetry_interval_s", t.telemetry_interval_s, "must be > 0")
-    _one_of("train.channels_last", t.channels_last, CHANNELS_LAST_MODES)
-    _require(
+    p.require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    p.one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    p.require(0.0 <= t.momentum < 1.0, "train.momentum", t.momentum, "must be in [0, 1)")
+    p.require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    p.one_of("train.amp", t.amp, AMP_MODES)
+    p.require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    p.require(bool(_DEVICE_RE.match(t.device)), "train.device", t.device, "allowed: auto, cpu, cuda, cuda:N")
+    p.require(t.telemetry_interval_s > 0, "train.telemetry_interval_s", t.telemetry_interval_s, "must be > 0")
+    p.one_of("train.channels_last", t.channels_last, CHANNELS_LAST_MODES)
+    p.require(
         not (t.deterministic and t.cudnn_benchmark),
         "train.cudnn_benchmark",
         t.cudnn_benchmark,
@@ -214,76 +263,79 @@ def validate(cfg: Config) -> Config:
     )
 
     f = cfg.federation
-    _require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
-    _require(
+    p.require(f.rounds >= 1, "federation.rounds", f.rounds, "must be >= 1")
+    p.require(
         f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1 (the last round is always evaluated)"
     )
-    _require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
-    _require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
-    _require(
+    p.require(0.0 < f.fraction_train <= 1.0, "federation.fraction_train", f.fraction_train, "must be in (0, 1]")
+    train_nodes_ok = p.require(f.min_train_nodes >= 1, "federation.min_train_nodes", f.min_train_nodes, "must be >= 1")
+    p.require(
         0.0 <= f.fraction_evaluate <= 1.0, "federation.fraction_evaluate", f.fraction_evaluate, "must be in [0, 1]"
     )
-    _require(f.min_evaluate_nodes >= 0, "federation.min_evaluate_nodes", f.min_evaluate_nodes, "must be >= 0")
-    _require(
-        f.min_available_nodes >= f.min_train_nodes,
+    p.require(f.min_evaluate_nodes >= 0, "federation.min_evaluate_nodes", f.min_evaluate_nodes, "must be >= 0")
+    p.require(
+        not train_nodes_ok or f.min_available_nodes >= f.min_train_nodes,
         "federation.min_available_nodes",
         f.min_available_nodes,
         f"must be >= federation.min_train_nodes ({f.min_train_nodes})",
     )
-    _require(f.node_wait_timeout_s > 0, "federation.node_wait_timeout_s", f.node_wait_timeout_s, "must be > 0")
-    _require(f.round_wait_timeout_s > 0, "federation.round_wait_timeout_s", f.round_wait_timeout_s, "must be > 0")
-    _require(f.round_timeout_s > 0, "federation.round_timeout_s", f.round_timeout_s, "must be > 0")
-    _require(
-        f.message_ttl_s >= f.round_timeout_s,
+    p.require(f.node_wait_timeout_s > 0, "federation.node_wait_timeout_s", f.node_wait_timeout_s, "must be > 0")
+    p.require(f.round_wait_timeout_s > 0, "federation.round_wait_timeout_s", f.round_wait_timeout_s, "must be > 0")
+    timeout_ok = p.require(f.round_timeout_s > 0, "federation.round_timeout_s", f.round_timeout_s, "must be > 0")
+    p.require(
+        not timeout_ok or f.message_ttl_s >= f.round_timeout_s,
         "federation.message_ttl_s",
         f.message_ttl_s,
         f"must be >= federation.round_timeout_s ({f.round_timeout_s}) or messages expire mid-round",
     )
 
-    _require(f.max_wall_time_s >= 0, "federation.max_wall_time_s", f.max_wall_time_s, "must be >= 0 (0 = no limit)")
-    _require(
+    p.require(f.max_wall_time_s >= 0, "federation.max_wall_time_s", f.max_wall_time_s, "must be >= 0 (0 = no limit)")
+    p.require(
         f.max_examples_per_node >= 1,
         "federation.max_examples_per_node",
         f.max_examples_per_node,
         "must be an integer >= 1 (the most examples one node's reply may count for)",
     )
-    _validate_task(cfg)
+    _validate_task(p, cfg)
 
     m = cfg.simulation
-    _require(m.num_supernodes >= 1, "simulation.num_supernodes", m.num_supernodes, "must be >= 1")
-    _require(m.client_cpus >= 1, "simulation.client_cpus", m.client_cpus, "must be >= 1 (whole CPUs)")
-    _require(m.client_gpus >= 0, "simulation.client_gpus", m.client_gpus, "must be >= 0 (0 = CPU only)")
-    _require(bool(cfg.tracking.mlflow_experiment), "tracking.mlflow_experiment", "", "must not be empty")
-    check_dir_name("sweep.name", cfg.sweep.name)
-    _require(cfg.sweep.timeout_s >= 0, "sweep.timeout_s", cfg.sweep.timeout_s, "must be >= 0 (0 = no limit)")
+    p.require(m.num_supernodes >= 1, "simulation.num_supernodes", m.num_supernodes, "must be >= 1")
+    p.require(m.client_cpus >= 1, "simulation.client_cpus", m.client_cpus, "must be >= 1 (whole CPUs)")
+    p.require(m.client_gpus >= 0, "simulation.client_gpus", m.client_gpus, "must be >= 0 (0 = CPU only)")
+    p.require(bool(cfg.tracking.mlflow_experiment), "tracking.mlflow_experiment", "", "must not be empty")
+    check_dir_name("sweep.name", cfg.sweep.name, p)
+    p.require(cfg.sweep.timeout_s >= 0, "sweep.timeout_s", cfg.sweep.timeout_s, "must be >= 0 (0 = no limit)")
 
-    _require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
-    if cfg.name is not None:
-        check_dir_name("name", cfg.name)
+    p.require(cfg.seed >= 0, "seed", cfg.seed, "must be >= 0")
+    name_ok = cfg.name is None or check_dir_name("name", cfg.name, p)
     if cfg.resume == "auto":
-        _require(
-            bool(cfg.name), "resume", cfg.resume, "auto needs a run name (name=...): it resumes <output-dir>/<name>"
+        p.require(
+            not name_ok or bool(cfg.name),  # a bad name is named once, as name=...
+            "resume",
+            cfg.resume,
+            "auto needs a run name (name=...): it resumes <output-dir>/<name>",
         )
     elif cfg.resume is not None:
-        _require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file (or use resume=auto)")
-    _require(
+        p.require(Path(cfg.resume).is_file(), "resume", cfg.resume, "no such checkpoint file (or use resume=auto)")
+    p.require(
         bool(_DEVICE_RE.match(cfg.server_device)),
         "server_device",
         cfg.server_device,
         "allowed: auto, cpu, cuda, cuda:N",
     )
+    p.raise_if_any()
     return cfg
 
 
-def _validate_local_devices(cfg: Config) -> None:
+def _validate_local_devices(p: Problems, cfg: Config) -> None:
     d = cfg.train.local_devices
     ok = (
         d == "auto"
         or (type(d) is int and d >= 1)
         or (isinstance(d, list) and d and all(type(i) is int and i >= 0 for i in d))
     )
-    _require(ok, "train.local_devices", d, "allowed: auto (every visible GPU), N >= 1, or a list of CUDA indices")
-    _require(
+    p.require(ok, "train.local_devices", d, "allowed: auto (every visible GPU), N >= 1, or a list of CUDA indices")
+    p.require(
         d == 1 or cfg.privacy.name != "local",
         "train.local_devices",
         d,
@@ -292,10 +344,10 @@ def _validate_local_devices(cfg: Config) -> None:
     )
 
 
-def _require_target(key: str, value: str | None) -> None:
+def _require_target(p: Problems, key: str, value: str | None) -> bool:
     """A `_target_` must be a dotted path; whether it imports is checked where it is called,
     before round 1 (app/task/user_code.py)."""
-    _require(
+    return p.require(
         bool(value) and _TARGET_RE.fullmatch(str(value)) is not None,
         key,
         value,
@@ -308,122 +360,140 @@ def _require_target(key: str, value: str | None) -> None:
 _METRIC_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
-def _metric_names(metrics: list[Any]) -> list[str]:
-    """The name of each `task.metrics` entry (`metric_name`), checked."""
+def _metric_names(p: Problems, metrics: list[Any]) -> list[str]:
+    """The name of each valid `task.metrics` entry (`metric_name`); each invalid one is recorded
+    in `p` instead (an entry with no usable name, such as an unknown built-in or a name taken
+    from a bad `_target_`, has its name left unchecked)."""
     names = []
     for i, entry in enumerate(metrics):
         key = f"task.metrics[{i}]"
         if isinstance(entry, Mapping):
-            _require_target(f"{key}._target_", entry.get("_target_"))
+            target_ok = _require_target(p, f"{key}._target_", entry.get("_target_"))
             name = entry.get("name")
-            _require(name is None or isinstance(name, str), f"{key}.name", name, "must be a string")
+            if not p.require(name is None or isinstance(name, str), f"{key}.name", name, "must be a string"):
+                continue
+            if name is None and not target_ok:
+                continue  # the name would be made from the bad target
             name = metric_name(entry)
-        else:
-            _require(
-                entry in BUILTIN_METRICS,
-                key,
-                entry,
-                f"allowed: {', '.join(BUILTIN_METRICS)}, or {{_target_: my_pkg.module.metric, name: ...}}",
-            )
+        elif p.require(
+            entry in BUILTIN_METRICS,
+            key,
+            entry,
+            f"allowed: {', '.join(BUILTIN_METRICS)}, or {{_target_: my_pkg.module.metric, name: ...}}",
+        ):
             name = entry
-        _require(
+        else:
+            continue
+        ok = p.require(
             _METRIC_NAME_RE.fullmatch(name) is not None,
             f"{key}.name",
             name,
             "a metric's name is a metrics.jsonl column: letters, digits, '_', '.', '-', starting with a letter",
-        )
-        _require(
+        ) and p.require(
             name not in ROW_COLUMNS,
             f"{key}.name",
             name,
             f"{name!r} is already a metrics.jsonl column of every run (it would be overwritten); name the metric "
             f"otherwise, e.g. {{_target_: ..., name: my_{name}}}",
         )
-        names.append(name)
+        if ok:
+            names.append(name)
     return names
 
 
-def _validate_task(cfg: Config) -> None:
+def _validate_task(p: Problems, cfg: Config) -> None:
     """task.loss, task.metrics and the stopping target they define. Normalises the target:
     afterwards federation.target_metric names a metric (the primary one when unset) and
     federation.target_value holds the value to reach (federation.target_accuracy, the older
-    spelling, moved there). Idempotent: validating twice accepts what the first pass set."""
+    spelling, moved there). Idempotent: validating twice accepts what the first pass set.
+    The target is checked against the metrics only when every metric is valid."""
     t = cfg.task
     if t.loss.target is not None:
-        _require_target("task.loss._target_", t.loss.target)
+        _require_target(p, "task.loss._target_", t.loss.target)
     metrics = list(t.metrics)
-    _require(bool(metrics), "task.metrics", metrics, "name at least one metric, e.g. [accuracy] (the first is primary)")
-    names = _metric_names(metrics)
+    before = len(p)
+    p.require(
+        bool(metrics), "task.metrics", metrics, "name at least one metric, e.g. [accuracy] (the first is primary)"
+    )
+    names = _metric_names(p, metrics)
+    metrics_ok = len(p) == before
     dupes = sorted({n for n in names if names.count(n) > 1})
-    _require(
+    p.require(
         not dupes, "task.metrics", metrics, f"metric names must be unique ({', '.join(dupes)}); set each one's name"
     )
 
     f = cfg.federation
-    _require(
-        0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
-    )
-    if f.target_accuracy > 0:
-        _require(
+    if (
+        p.require(
+            0 <= f.target_accuracy <= 1, "federation.target_accuracy", f.target_accuracy, "must be in [0, 1] (0 = off)"
+        )
+        and f.target_accuracy > 0
+    ):
+        spelled_once = p.require(
             f.target_value in (0, f.target_accuracy) and f.target_metric in (None, "accuracy"),
             "federation.target_accuracy",
             f.target_accuracy,
             "it is the older spelling of federation.target_metric=accuracy federation.target_value=...; set one or the "
             f"other (federation.target_metric={f.target_metric!r}, federation.target_value={f.target_value!r})",
         )
-        _require(
-            "accuracy" in names,
-            "federation.target_accuracy",
-            f.target_accuracy,
-            f"needs accuracy among task.metrics ({', '.join(names)}); "
-            "use federation.target_metric=<name> federation.target_value=...",
+        if (
+            spelled_once
+            and metrics_ok
+            and p.require(
+                "accuracy" in names,
+                "federation.target_accuracy",
+                f.target_accuracy,
+                f"needs accuracy among task.metrics ({', '.join(names)}); "
+                "use federation.target_metric=<name> federation.target_value=...",
+            )
+        ):
+            f.target_metric, f.target_value = "accuracy", f.target_accuracy
+    if metrics_ok:
+        if f.target_metric is None:
+            f.target_metric = names[0]
+        p.require(
+            f.target_metric in names,
+            "federation.target_metric",
+            f.target_metric,
+            f"allowed: the names of task.metrics ({', '.join(names)}); unset = the first (primary) one",
         )
-        f.target_metric, f.target_value = "accuracy", f.target_accuracy
-    if f.target_metric is None:
-        f.target_metric = names[0]
-    _require(
-        f.target_metric in names,
-        "federation.target_metric",
-        f.target_metric,
-        f"allowed: the names of task.metrics ({', '.join(names)}); unset = the first (primary) one",
-    )
-    _require(
+    if p.require(
         0 <= f.target_value < float("inf"),
         "federation.target_value",
         f.target_value,
         f"must be a finite number >= 0: stop once {f.target_metric} reaches it (metrics are higher-is-better); 0 = off",
-    )
-    _require(
-        f.target_value <= 1 or f.target_metric not in BUILTIN_METRICS,
-        "federation.target_value",
-        f.target_value,
-        f"{f.target_metric} is at most 1, so the run would never stop for it; 0 = off",
-    )
+    ) and p.ok("federation.target_metric"):
+        p.require(
+            f.target_value <= 1 or f.target_metric not in BUILTIN_METRICS,
+            "federation.target_value",
+            f.target_value,
+            f"{f.target_metric} is at most 1, so the run would never stop for it; 0 = off",
+        )
 
 
-def _validate_model(cfg: Config) -> None:
+def _validate_model(p: Problems, cfg: Config) -> None:
     m = cfg.model
-    _one_of("model.name", m.name, MODELS)
-    _require(m.width >= 1, "model.width", m.width, "must be >= 1")
+    p.one_of("model.name", m.name, MODELS)
+    p.require(m.width >= 1, "model.width", m.width, "must be >= 1")
     if m.name == "resnet18":
-        _require(m.width == 64, "model.width", m.width, "model=resnet18 is 64 wide (torchvision)")
+        p.require(m.width == 64, "model.width", m.width, "model=resnet18 is 64 wide (torchvision)")
     if m.name == "torchvision":
-        _require(
+        p.require(
             bool(m.arch),
             "model.arch",
             m.arch,
             "model=torchvision needs a torchvision model name, e.g. mobilenet_v3_small",
         )
     if m.name == "custom":
-        _require_target("model._target_", m.target)
+        _require_target(p, "model._target_", m.target)
     if m.init_weights is not None:
-        _require(
+        p.require(
             Path(m.init_weights).is_file(),
             "model.init_weights",
             m.init_weights,
             "no such file (a torch.save'd state_dict)",
         )
-    _require(
+    p.require(
         all(isinstance(p, str) and p and not p.startswith(".") and not p.endswith(".") for p in m.trainable),
         "model.trainable",
         m.trainable,
@@ -431,100 +501,102 @@ def _validate_model(cfg: Config) -> None:
     )
 
 
-def _validate_fedbuff(s: StrategyConfig) -> None:
-    _require(s.buffer_size >= 0, "strategy.buffer_size", s.buffer_size, "must be >= 1, or 0 (auto: half the nodes)")
-    _require(s.concurrency >= 0, "strategy.concurrency", s.concurrency, "must be >= 0 (0 = every connected node)")
-    _require(s.max_staleness >= 0, "strategy.max_staleness", s.max_staleness, "must be >= 0")
-    _one_of("strategy.staleness_fn", s.staleness_fn, STALENESS_FUNCTIONS)
-    _require(s.staleness_a >= 0, "strategy.staleness_a", s.staleness_a, "must be >= 0 (< 0 favours stale updates)")
-    _require(s.staleness_b >= 0, "strategy.staleness_b", s.staleness_b, "must be >= 0")
-    _require(s.server_lr > 0, "strategy.server_lr", s.server_lr, "must be > 0")
-    _require(0 <= s.server_momentum < 1, "strategy.server_momentum", s.server_momentum, "must be in [0, 1)")
-    _one_of("strategy.buffer_aggregator", s.buffer_aggregator, BUFFER_AGGREGATORS)
+def _validate_fedbuff(p: Problems, s: StrategyConfig) -> None:
+    p.require(s.buffer_size >= 0, "strategy.buffer_size", s.buffer_size, "must be >= 1, or 0 (auto: half the nodes)")
+    p.require(s.concurrency >= 0, "strategy.concurrency", s.concurrency, "must be >= 0 (0 = every connected node)")
+    p.require(s.max_staleness >= 0, "strategy.max_staleness", s.max_staleness, "must be >= 0")
+    p.one_of("strategy.staleness_fn", s.staleness_fn, STALENESS_FUNCTIONS)
+    p.require(s.staleness_a >= 0, "strategy.staleness_a", s.staleness_a, "must be >= 0 (< 0 favours stale updates)")
+    p.require(s.staleness_b >= 0, "strategy.staleness_b", s.staleness_b, "must be >= 0")
+    p.require(s.server_lr > 0, "strategy.server_lr", s.server_lr, "must be > 0")
+    p.require(0 <= s.server_momentum < 1, "strategy.server_momentum", s.server_momentum, "must be in [0, 1)")
+    p.one_of("strategy.buffer_aggregator", s.buffer_aggregator, BUFFER_AGGREGATORS)
 
 
-def _validate_privacy(cfg: Config) -> None:
-    p = cfg.privacy
-    _one_of("privacy.name", p.name, PRIVACY)
-    if p.name == "none":
+def _validate_privacy(p: Problems, cfg: Config) -> None:
+    dp = cfg.privacy
+    if not p.one_of("privacy.name", dp.name, PRIVACY) or dp.name == "none":
         return
-    _require(p.noise_multiplier >= 0, "privacy.noise_multiplier", p.noise_multiplier, "must be >= 0")
-    _require(p.clip_norm > 0, "privacy.clip_norm", p.clip_norm, "must be > 0")
-    _require(0 < p.delta < 1, "privacy.delta", p.delta, "must be in (0, 1)")
-    _require(p.max_epsilon >= 0, "privacy.max_epsilon", p.max_epsilon, "must be > 0, or 0 for no budget")
-    _require(0 < p.target_quantile < 1, "privacy.target_quantile", p.target_quantile, "must be in (0, 1)")
-    _require(p.clip_lr > 0, "privacy.clip_lr", p.clip_lr, "must be > 0")
-    _require(p.count_noise >= 0, "privacy.count_noise", p.count_noise, "must be >= 0 (0 = expected cohort / 20)")
-    _require(p.target_epsilon >= 0, "privacy.target_epsilon", p.target_epsilon, "must be > 0, or 0 to use the noise")
-    if p.name.startswith("central"):
+    p.require(dp.noise_multiplier >= 0, "privacy.noise_multiplier", dp.noise_multiplier, "must be >= 0")
+    p.require(dp.clip_norm > 0, "privacy.clip_norm", dp.clip_norm, "must be > 0")
+    p.require(0 < dp.delta < 1, "privacy.delta", dp.delta, "must be in (0, 1)")
+    p.require(dp.max_epsilon >= 0, "privacy.max_epsilon", dp.max_epsilon, "must be > 0, or 0 for no budget")
+    p.require(0 < dp.target_quantile < 1, "privacy.target_quantile", dp.target_quantile, "must be in (0, 1)")
+    p.require(dp.clip_lr > 0, "privacy.clip_lr", dp.clip_lr, "must be > 0")
+    p.require(dp.count_noise >= 0, "privacy.count_noise", dp.count_noise, "must be >= 0 (0 = expected cohort / 20)")
+    p.require(dp.target_epsilon >= 0, "privacy.target_epsilon", dp.target_epsilon, "must be > 0, or 0 to use the noise")
+    if dp.name.startswith("central"):
         s = cfg.strategy.name
         aggregator = cfg.strategy.buffer_aggregator if s == "fedbuff" else s
-        _require(
-            aggregator in ("fedavg", "mean"),
+        known = p.ok("strategy.name") and (s != "fedbuff" or p.ok("strategy.buffer_aggregator"))
+        p.require(
+            not known or aggregator in ("fedavg", "mean"),  # an unknown one is named as strategy.*
             "privacy.name",
-            p.name,
+            dp.name,
             f"central DP has no standard sensitivity bound for {aggregator} (a robust rule's output can move by "
             "more than one clipped update); use strategy=fedavg or fedbuff with buffer_aggregator=mean, or privacy=local",
         )
-        _require(p.noise_multiplier > 0, "privacy.noise_multiplier", p.noise_multiplier, "central DP needs noise > 0")
-        _require(
-            not (s == "fedbuff" and p.poisson_sampling),
+        p.require(
+            dp.noise_multiplier > 0, "privacy.noise_multiplier", dp.noise_multiplier, "central DP needs noise > 0"
+        )
+        p.require(
+            not (s == "fedbuff" and dp.poisson_sampling),
             "privacy.poisson_sampling",
             True,
             "FedBuff releases are accounted with q = 1 (its cohort is whoever answers first)",
         )
         st = cfg.strategy
-        _require(
+        p.require(
             not (s == "fedbuff" and 0 < st.concurrency < st.buffer_size),
             "strategy.buffer_size",
             st.buffer_size,
             f"a central-DP buffer takes one update per node, but strategy.concurrency={st.concurrency} train at once",
         )
-    if p.name == "local":
-        _require(
-            not (cfg.strategy.name == "fedbuff" and p.target_epsilon > 0),
+    if dp.name == "local":
+        p.require(
+            not (cfg.strategy.name == "fedbuff" and dp.target_epsilon > 0),
             "privacy.target_epsilon",
-            p.target_epsilon,
+            dp.target_epsilon,
             "plans each client's noise over federation.rounds tasks, but a FedBuff node may train more often; "
             "with strategy=fedbuff set privacy.noise_multiplier instead (epsilon is still reported per client)",
         )
-        _require(
-            p.noise_multiplier > 0 or p.target_epsilon > 0,
+        p.require(
+            dp.noise_multiplier > 0 or dp.target_epsilon > 0,
             "privacy.noise_multiplier",
-            p.noise_multiplier,
+            dp.noise_multiplier,
             "local DP-SGD needs noise > 0 or privacy.target_epsilon > 0",
         )
 
 
-def _validate_fleet(cfg: Config) -> None:
+def _validate_fleet(p: Problems, cfg: Config) -> None:
     """The fleet profile (app/simulation/fleet.py); stragglers=... is its short form, not a second one."""
     f = cfg.fleet
     if f.name == "none":
         return
-    _require(
+    p.require(
         cfg.stragglers.name == "none" and cfg.stragglers.dropout == 0,
         "stragglers",
         cfg.stragglers.name,
         f"stragglers is the short form of a fleet profile; with fleet={f.name} set the slowdowns in "
         "fleet.speed / fleet.factors / fleet.sigma and drop-outs in fleet.completion_p",
     )
-    _one_of("fleet.speed", f.speed, FLEET_SPEEDS)
-    _one_of("fleet.availability", f.availability, AVAILABILITY)
-    _require(f.reference_samples_per_s > 0, "fleet.reference_samples_per_s", f.reference_samples_per_s, "must be > 0")
+    p.one_of("fleet.speed", f.speed, FLEET_SPEEDS)
+    p.one_of("fleet.availability", f.availability, AVAILABILITY)
+    p.require(f.reference_samples_per_s > 0, "fleet.reference_samples_per_s", f.reference_samples_per_s, "must be > 0")
     if f.speed == "fixed":
-        _require(bool(f.factors), "fleet.factors", f.factors, "fleet.speed=fixed needs slowdowns, e.g. [5,5,5]")
-    _require(all(x > 0 for x in f.factors), "fleet.factors", f.factors, "slowdowns must be > 0")
-    _require(f.sigma >= 0, "fleet.sigma", f.sigma, "must be >= 0")
+        p.require(bool(f.factors), "fleet.factors", f.factors, "fleet.speed=fixed needs slowdowns, e.g. [5,5,5]")
+    p.require(all(x > 0 for x in f.factors), "fleet.factors", f.factors, "slowdowns must be > 0")
+    p.require(f.sigma >= 0, "fleet.sigma", f.sigma, "must be >= 0")
     if f.speed == "devices":
-        _require(
+        p.require(
             bool(f.devices), "fleet.devices", f.devices, "fleet.speed=devices needs device classes, e.g. [rtx4090,t4]"
         )
-    _require(all(v > 0 for v in f.device_speeds.values()), "fleet.device_speeds", f.device_speeds, "must be > 0")
+    p.require(all(v > 0 for v in f.device_speeds.values()), "fleet.device_speeds", f.device_speeds, "must be > 0")
     for key in ("downlink_mbps", "uplink_mbps"):
         values = getattr(f, key)
-        _require(bool(values) and all(v > 0 for v in values), f"fleet.{key}", values, "a non-empty list of rates > 0")
-    _require(bool(f.latency_ms) and all(v >= 0 for v in f.latency_ms), "fleet.latency_ms", f.latency_ms, "values >= 0")
-    _require(f.link_sigma >= 0, "fleet.link_sigma", f.link_sigma, "must be >= 0")
-    _require(0 < f.completion_p <= 1, "fleet.completion_p", f.completion_p, "must be in (0, 1]")
+        p.require(bool(values) and all(v > 0 for v in values), f"fleet.{key}", values, "a non-empty list of rates > 0")
+    p.require(bool(f.latency_ms) and all(v >= 0 for v in f.latency_ms), "fleet.latency_ms", f.latency_ms, "values >= 0")
+    p.require(f.link_sigma >= 0, "fleet.link_sigma", f.link_sigma, "must be >= 0")
+    p.require(0 < f.completion_p <= 1, "fleet.completion_p", f.completion_p, "must be in (0, 1]")
     if f.availability == "trace":
-        _require(bool(f.trace), "fleet.trace", f.trace, "fleet.availability=trace needs a CSV file (docs/fleet.md)")
+        p.require(bool(f.trace), "fleet.trace", f.trace, "fleet.availability=trace needs a CSV file (docs/fleet.md)")
