@@ -25,27 +25,35 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from app.protocol import (
+    AMP_SKIPPED_STEPS,
     ARRAYS,
+    BATCH_SIZE,
     CONFIG,
     DATA_PATH,
     DOWNLINK,
+    ENCODE_S,
     EVAL_LOSS,
     EVAL_PREFIX,
     FROZEN,
     LEDGER_ON,
     METRICS,
+    MICRO_BATCH_SIZE,
     NAME,
     NODE,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
+    OOM_RETRIES,
     PARTITION_ID,
+    PEAK_GPU_MEM_MB,
     RECEIPT_HASH,
     RECEIPT_REPLY,
     RECEIPT_STEP,
     SERVER_ROUND,
     STATE_DIR,
+    STEPS,
     TASK,
     TRAIN_METRICS,
+    WALL_TIME_S,
     ClientSettings,
 )
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
@@ -231,7 +239,7 @@ def reply_arrays(
 ) -> ArrayRecord:
     """The trained tensors, or with compression their encoded update (after any attack and local-DP
     noise: compression is post-processing) on the training device, error feedback kept in the
-    node's state; the encoding time goes into `metrics` (`encode-s`)."""
+    node's state; the encoding time goes into `metrics` (ENCODE_S)."""
     cfg = job.settings.compression
     if cfg.name == "none" and cfg.downlink == "none":
         return ArrayRecord(state)  # with a downlink the update is sent (exactly): the server adds it to its fp32 model
@@ -243,7 +251,7 @@ def reply_arrays(
     state_dir = str(context.node_config.get(STATE_DIR, "") or "")
     saved = residual_file(state_dir, context.run_id) if state_dir else None
     arrays = pack(on_device, job.received, cfg, context.state, torch.Generator(device).manual_seed(seed), saved)
-    metrics["encode-s"] = time.perf_counter() - started
+    metrics[ENCODE_S] = time.perf_counter() - started
     return arrays
 
 
@@ -383,8 +391,8 @@ def train_handler(msg: Message, context: Context) -> Message:
             save_scaler_state(context.state, stats.scaler_state)
     metrics: dict[str, float | int | list[float] | list[int]] = {
         NUM_EXAMPLES: reported_examples(attack, stats.num_examples) if malicious else stats.num_examples,
-        "wall-time-s": stats.wall_time_s,
-        "steps": stats.steps,
+        WALL_TIME_S: stats.wall_time_s,
+        STEPS: stats.steps,
         **telemetry.metrics(),
         **dp_metrics,
     }
@@ -392,14 +400,14 @@ def train_handler(msg: Message, context: Context) -> Message:
         # Local DP: exact statistics of the private batches, which no epsilon covers (docs/privacy.md).
         metrics |= dict(zip(TRAIN_METRICS, (stats.loss, stats.accuracy, stats.samples_per_s), strict=True))
     if stats.peak_gpu_mem_mb is not None:
-        metrics["peak-gpu-mem-mb"] = stats.peak_gpu_mem_mb
-    metrics |= {"batch-size": cfg.batch_size, "oom-retries": stats.oom_retries}
+        metrics[PEAK_GPU_MEM_MB] = stats.peak_gpu_mem_mb
+    metrics |= {BATCH_SIZE: cfg.batch_size, OOM_RETRIES: stats.oom_retries}
     if stats.oom_retries:
-        metrics["micro-batch-size"] = stats.micro_batch_size
+        metrics[MICRO_BATCH_SIZE] = stats.micro_batch_size
     if job.cap is not None:
         metrics |= job.cap.metrics()
     if job.precision.amp == "fp16":
-        metrics["amp-skipped-steps"] = stats.skipped_steps
+        metrics[AMP_SKIPPED_STEPS] = stats.skipped_steps
     if partition is not None:
         metrics[PARTITION_ID] = partition
     trained = job.model.state_dict()

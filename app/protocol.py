@@ -1,8 +1,11 @@
 """Everything that crosses the wire between the ServerApp and the ClientApps.
 
-The ClientApp imports this module and the schema's dataclasses, never Hydra: its settings
-travel as flat keys in each message's ConfigRecord (`to_client_record` on the server,
-`ClientSettings.from_record` on the client).
+The ClientApp imports this module and the schema's dataclasses, never Hydra or torch: its
+settings travel as flat keys in each message's ConfigRecord (`to_client_record` on the server,
+`ClientSettings.from_record` on the client). Every key a reply's MetricRecord may carry is
+declared below (`REPLY_METRICS`, `REPLY_METRIC_PREFIXES`; tests/test_protocol_keys.py holds the
+ClientApp to it): writers and readers import the constants, never retype the strings, which
+are what results files and checkpoints hold and must not change.
 """
 
 from __future__ import annotations
@@ -41,10 +44,6 @@ from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports
 NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
 STATE_DIR = "state-dir"  # node_config: where a node keeps what must outlive a restart (error feedback's residual)
-# reply metrics
-TRAIN_METRICS = ("train-loss", "train-accuracy", "samples-per-s")  # left out under local DP unless report_exact
-EVAL_LOSS = "eval-loss"
-EVAL_PREFIX = "eval-"  # federated evaluation: eval-<metric name> for each of task.metrics
 # a training task's ConfigRecord with compression.downlink (app/compression/downlink.py); absent: the model as it is
 DOWNLINK = "downlink"  # "fp16", "full" (the model, and the start of a delta chain) or "delta"
 DOWNLINK_BASE = "downlink-base"  # delta: the id of the copy the node must hold
@@ -56,6 +55,76 @@ LEDGER_ON = "ledger"
 RECEIPT_STEP = "ledger-receipt-step"
 RECEIPT_HASH = "ledger-receipt-hash"
 RECEIPT_REPLY = "ledger-receipt-reply-sha256"
+
+# --- Reply metrics: the keys of a reply's MetricRecord (METRICS) ---------------------------------
+# Every key a ClientApp reply may carry. The server averages them into a row's `train` and
+# `federated_eval` sections (strategies/replies.py: weighted_metrics), so each is also a key there.
+# Any reply: NUM_EXAMPLES (the weight claim) and, on a simulated node, PARTITION_ID (strategies/wire.py).
+# training (app/client_app.py: train_handler), from the TrainStats of the round
+TRAIN_LOSS = "train-loss"  # mean training loss
+TRAIN_ACCURACY = "train-accuracy"  # the task's training accuracy (app/task/metrics.py: task_accuracy)
+SAMPLES_PER_S = "samples-per-s"  # training throughput
+TRAIN_METRICS = (TRAIN_LOSS, TRAIN_ACCURACY, SAMPLES_PER_S)  # left out under local DP unless report_exact
+WALL_TIME_S = "wall-time-s"  # the node's training time (the ledger's reported compute)
+STEPS = "steps"  # optimizer steps taken
+BATCH_SIZE = "batch-size"  # train.batch_size, `auto` resolved for this node
+OOM_RETRIES = "oom-retries"  # batches redone in micro-batches after an out-of-memory error
+MICRO_BATCH_SIZE = "micro-batch-size"  # the micro-batch the loop ended with: only when OOM_RETRIES > 0
+PEAK_GPU_MEM_MB = "peak-gpu-mem-mb"  # CUDA only: the allocator's peak, MiB
+AMP_SKIPPED_STEPS = "amp-skipped-steps"  # fp16 only: steps the GradScaler skipped
+ENCODE_S = "encode-s"  # a compressed uplink or a downlink: seconds encoding the update (app/compression/)
+# a share of a GPU (app/task/gpu_memory.py: MemoryCap.metrics)
+GPU_MEM_SHARE = "gpu-mem-share"  # of the device's memory, as reserved or configured
+GPU_MEM_CAP_MB = "gpu-mem-cap-mb"  # what PyTorch's allocator may hold, MiB
+# NVML telemetry (app/task/telemetry.py: GpuTelemetry.metrics), device-wide: GPU_TELEMETRY always,
+# the GPU_DEVICE_PREFIX family only with telemetry, each only when NVML could read its quantity
+GPU_TELEMETRY = "gpu-telemetry"  # 1.0 with telemetry, 0.0 without (MetricRecord has no null)
+GPU_DEVICE_PREFIX = "gpu-device-"
+GPU_UTIL_MEAN_PCT = GPU_DEVICE_PREFIX + "util-mean-pct"
+GPU_UTIL_MAX_PCT = GPU_DEVICE_PREFIX + "util-max-pct"
+GPU_MEM_USED_MAX_MB = GPU_DEVICE_PREFIX + "mem-used-max-mb"  # MiB (NVML bytes / 2**20)
+GPU_TEMP_MAX_C = GPU_DEVICE_PREFIX + "temp-max-c"
+GPU_POWER_MEAN_W = GPU_DEVICE_PREFIX + "power-mean-w"  # mean board power (the ledger's reported energy)
+GPU_DEVICE_METRICS = (GPU_UTIL_MEAN_PCT, GPU_UTIL_MAX_PCT, GPU_MEM_USED_MAX_MB, GPU_TEMP_MAX_C, GPU_POWER_MEAN_W)
+# local DP (app/privacy/dp_sgd.py: train_private; app/privacy/accounting.py: history_metrics)
+DP_EPSILON = "dp-epsilon"  # this node's ε so far, at privacy.delta
+DP_NOISE_MULTIPLIER = "dp-noise-multiplier"  # σ this round
+DP_STEPS = "dp-steps"  # DP-SGD steps so far
+HISTORY_METRICS = ("dp-history-sigma", "dp-history-q", "dp-history-steps")  # the merged accountant history (lists)
+# federated evaluation (app/client_app.py: evaluate_handler)
+EVAL_PREFIX = "eval-"  # eval-<metric name> for each of task.metrics
+EVAL_LOSS = EVAL_PREFIX + "loss"
+
+REPLY_METRICS = frozenset(
+    {
+        NUM_EXAMPLES,
+        PARTITION_ID,
+        *TRAIN_METRICS,
+        WALL_TIME_S,
+        STEPS,
+        BATCH_SIZE,
+        OOM_RETRIES,
+        MICRO_BATCH_SIZE,
+        PEAK_GPU_MEM_MB,
+        AMP_SKIPPED_STEPS,
+        ENCODE_S,
+        GPU_MEM_SHARE,
+        GPU_MEM_CAP_MB,
+        GPU_TELEMETRY,
+        *GPU_DEVICE_METRICS,
+        DP_EPSILON,
+        DP_NOISE_MULTIPLIER,
+        DP_STEPS,
+        *HISTORY_METRICS,
+        EVAL_LOSS,
+    }
+)
+REPLY_METRIC_PREFIXES = (EVAL_PREFIX,)  # families named after the task's metrics
+
+
+def is_reply_metric(key: str) -> bool:
+    """Whether `key` is declared here as a reply metric: one of REPLY_METRICS or a REPLY_METRIC_PREFIXES family."""
+    return key in REPLY_METRICS or any(key.startswith(p) and len(key) > len(p) for p in REPLY_METRIC_PREFIXES)
 
 
 CLIENT_SECTIONS = {
@@ -127,5 +196,5 @@ def to_client_record(cfg: Config | ClientSettings) -> dict[str, Any]:
 # --- local DP (app.privacy): each client's accountant history crosses the wire both ways ----------
 
 PRIOR_KEY = "dp-prior-history"  # message config: JSON {history key: [[σ, q, steps], ...]} (HistoryLedger.prior)
-HISTORY_METRICS = ("dp-history-sigma", "dp-history-q", "dp-history-steps")  # reply: the merged history
 ROUNDS_KEY = "federation.rounds"  # message config: the rounds the server plans (needed by privacy.target_epsilon)
+# the reply's metrics of local DP: see "Reply metrics" above (DP_* and HISTORY_METRICS)

@@ -39,7 +39,7 @@ from torch import nn
 
 from app.config.schema import ConfigError, PrivacyConfig, TrainConfig
 from app.privacy.accounting import MalformedHistory, check_history, history_metrics, plan_round
-from app.protocol import PRIOR_KEY
+from app.protocol import DP_EPSILON, DP_NOISE_MULTIPLIER, DP_STEPS, PRIOR_KEY
 from app.task.data import Examples
 from app.task.metrics import Task
 from app.task.training import Precision, Steps, TrainStats, fit, model_inputs
@@ -342,9 +342,9 @@ def train_private(
     stats = fit(steps, data)
     save_accountant(state, accountant)
     metrics: dict[str, float | int | list[float] | list[int]] = {
-        "dp-epsilon": float(accountant.get_epsilon(privacy.delta)),
-        "dp-noise-multiplier": float(sigma),
-        "dp-steps": spent + round_steps,
+        DP_EPSILON: float(accountant.get_epsilon(privacy.delta)),
+        DP_NOISE_MULTIPLIER: float(sigma),
+        DP_STEPS: spent + round_steps,
         **history_metrics(accountant),
     }
     return stats, metrics

@@ -13,14 +13,14 @@ from typing import Any
 
 from flwr.app import Message, MetricRecord
 
+from app.protocol import GPU_POWER_MEAN_W, NUM_EXAMPLES, WALL_TIME_S
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
 from strategies.node_text import printable
 from strategies.replies import arrays_digest
-from strategies.wire import NUM_EXAMPLES
 
-POWER_KEY = "gpu-device-power-mean-w"  # app/task/telemetry.py: mean NVML board power while training
-COMPUTE_KEY = "wall-time-s"  # the node's training time
+POWER_KEY = GPU_POWER_MEAN_W  # app/task/telemetry.py: mean NVML board power while training
+COMPUTE_KEY = WALL_TIME_S  # the node's training time
 UNSCORED = ("rejected", "failed", "missing", "stale")  # outcomes of updates no score is computed for
 
 

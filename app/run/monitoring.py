@@ -24,6 +24,17 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from app.config.schema import ROW_COLUMNS
+from app.protocol import (
+    GPU_MEM_USED_MAX_MB,
+    GPU_POWER_MEAN_W,
+    GPU_TEMP_MAX_C,
+    GPU_UTIL_MEAN_PCT,
+    SAMPLES_PER_S,
+    TRAIN_LOSS,
+    WALL_TIME_S,
+)
+
 OTHER_NODE = "other"
 
 # Row key -> (gauge name, help): the latest round's (or FedBuff version's) values.
@@ -46,19 +57,24 @@ ROW_COUNTERS = {
 }
 # Key of the row's `train` section (weighted mean over the round's clients) -> (gauge name, help).
 TRAIN_GAUGES = {
-    "samples-per-s": ("fedgpu_train_samples_per_second", "Clients' training throughput, sample-weighted mean."),
-    "train-loss": ("fedgpu_train_loss", "Clients' training loss, sample-weighted mean."),
+    SAMPLES_PER_S: ("fedgpu_train_samples_per_second", "Clients' training throughput, sample-weighted mean."),
+    TRAIN_LOSS: ("fedgpu_train_loss", "Clients' training loss, sample-weighted mean."),
 }
 # Reply metric key -> (per-node gauge name, help, factor to the base unit).
 NODE_GAUGES = {
-    "samples-per-s": ("fedgpu_node_samples_per_second", "Training throughput of the node's latest reply.", 1.0),
-    "wall-time-s": ("fedgpu_node_train_duration_seconds", "Training time of the node's latest reply.", 1.0),
-    "gpu-device-util-mean-pct": ("fedgpu_node_gpu_utilization_ratio", "Mean GPU utilisation (0..1).", 0.01),
+    SAMPLES_PER_S: ("fedgpu_node_samples_per_second", "Training throughput of the node's latest reply.", 1.0),
+    WALL_TIME_S: ("fedgpu_node_train_duration_seconds", "Training time of the node's latest reply.", 1.0),
+    GPU_UTIL_MEAN_PCT: ("fedgpu_node_gpu_utilization_ratio", "Mean GPU utilisation (0..1).", 0.01),
     # The telemetry's "mb" is MiB (NVML bytes / 2**20: app/task/telemetry.py), so bytes = MiB * 2**20.
-    "gpu-device-mem-used-max-mb": ("fedgpu_node_gpu_memory_used_bytes", "Peak GPU memory used.", float(2**20)),
-    "gpu-device-temp-max-c": ("fedgpu_node_gpu_temperature_celsius", "Peak GPU temperature.", 1.0),
-    "gpu-device-power-mean-w": ("fedgpu_node_gpu_power_watts", "Mean GPU power draw.", 1.0),
+    GPU_MEM_USED_MAX_MB: ("fedgpu_node_gpu_memory_used_bytes", "Peak GPU memory used.", float(2**20)),
+    GPU_TEMP_MAX_C: ("fedgpu_node_gpu_temperature_celsius", "Peak GPU temperature.", 1.0),
+    GPU_POWER_MEAN_W: ("fedgpu_node_gpu_power_watts", "Mean GPU power draw.", 1.0),
 }
+# The row columns read here (besides the task's metrics) are metrics.jsonl's, declared in
+# app/config/schema.py ROW_COLUMNS: a column renamed there must not leave a gauge silently unfed.
+ROUND_TIME, TRAIN_SECTION = "round_time_s", "train"
+if _undeclared := {*ROW_GAUGES, *ROW_COUNTERS, ROUND_TIME, TRAIN_SECTION} - set(ROW_COLUMNS):
+    raise RuntimeError(f"app/run/monitoring.py reads columns {sorted(_undeclared)} that ROW_COLUMNS does not declare")
 # Rounds last seconds to hours; the default buckets (5 ms .. 10 s) would put every round over 10 s in +Inf.
 ROUND_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, math.inf)
 
@@ -140,7 +156,7 @@ class Monitor:
         (node id, metrics). Missing, None or non-numeric values leave the previous value."""
         for key, gauge in self._row_gauges.items():
             self._set(gauge, row.get(key))
-        if (duration := _number(row.get("round_time_s"))) is not None:
+        if (duration := _number(row.get(ROUND_TIME))) is not None:
             self._round_hist.observe(duration)
         for name in self.metric_names:
             if (value := _number(row.get(name))) is not None:
@@ -149,7 +165,7 @@ class Monitor:
             value = _number(row.get(key))
             if value is not None and math.isfinite(value) and value >= 0:  # a counter only goes up
                 counter.inc(value)
-        train = row.get("train")
+        train = row.get(TRAIN_SECTION)
         if isinstance(train, Mapping):
             for key, gauge in self._train_gauges.items():
                 self._set(gauge, train.get(key))

@@ -39,6 +39,8 @@ EXACT_ROW_KEYS = (
     "train",
     "federated_eval",
 )
+if _undeclared := set(EXACT_ROW_KEYS) - set(ROW_COLUMNS):  # a renamed column must not slip past privacy's filter
+    raise RuntimeError(f"EXACT_ROW_KEYS {sorted(_undeclared)} are not declared in app/config/schema.py ROW_COLUMNS")
 
 
 def check_columns(row: dict[str, Any], metric_names: Iterable[str]) -> None:

@@ -20,6 +20,15 @@ from typing import Any
 
 import torch
 
+from app.protocol import (
+    GPU_MEM_USED_MAX_MB,
+    GPU_POWER_MEAN_W,
+    GPU_TELEMETRY,
+    GPU_TEMP_MAX_C,
+    GPU_UTIL_MAX_PCT,
+    GPU_UTIL_MEAN_PCT,
+)
+
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 _nvml_lock = threading.Lock()
@@ -236,21 +245,21 @@ class GpuTelemetry:
                 log.log(logging.DEBUG if expected else logging.INFO, "GPU telemetry leaves out %s: %r", name, err)
 
     def metrics(self) -> dict[str, float]:
-        """Reply metrics; only `gpu-telemetry` = 0 when absent (MetricRecord has no null).
+        """Reply metrics (app/protocol.py); only GPU_TELEMETRY = 0 when absent (MetricRecord has no null).
 
         The values are device-wide: they include other processes on the same GPU.
         """
         s = self.samples
         if not self.available:
-            return {"gpu-telemetry": 0.0}
-        out = {"gpu-telemetry": 1.0}
+            return {GPU_TELEMETRY: 0.0}
+        out = {GPU_TELEMETRY: 1.0}
         if s.util_pct:
-            out["gpu-device-util-mean-pct"] = sum(s.util_pct) / len(s.util_pct)
-            out["gpu-device-util-max-pct"] = max(s.util_pct)
+            out[GPU_UTIL_MEAN_PCT] = sum(s.util_pct) / len(s.util_pct)
+            out[GPU_UTIL_MAX_PCT] = max(s.util_pct)
         if s.mem_used_mb:
-            out["gpu-device-mem-used-max-mb"] = max(s.mem_used_mb)
+            out[GPU_MEM_USED_MAX_MB] = max(s.mem_used_mb)
         if s.temp_c:
-            out["gpu-device-temp-max-c"] = max(s.temp_c)
+            out[GPU_TEMP_MAX_C] = max(s.temp_c)
         if s.power_w:
-            out["gpu-device-power-mean-w"] = sum(s.power_w) / len(s.power_w)
+            out[GPU_POWER_MEAN_W] = sum(s.power_w) / len(s.power_w)
         return out
