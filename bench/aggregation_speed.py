@@ -120,8 +120,9 @@ from app.task.data import DataSpec  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.task.training import resolve_device  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
-from strategies.krum import Krum, MultiKrum  # noqa: E402
+from strategies.krum import KrumRule, MultiKrumRule  # noqa: E402
 from strategies.replies import specs_of  # noqa: E402
+from strategies.robust import RobustStrategy
 from strategies.robust_ops import DEFAULT_BLOCK_BYTES  # noqa: E402
 from strategies.tensor_ops import record_to_tensors  # noqa: E402
 
@@ -267,8 +268,10 @@ def make_methods(
     """name -> (callable on replies, our strategy object or None). Ours aggregate on
     `device`; on CUDA they are synchronised and their peak memory goes to `peaks`."""
     fedavg = FedAvg(device=device)
-    krum = Krum(num_byzantine=NUM_BYZANTINE, device=device)
-    multikrum = MultiKrum(num_byzantine=NUM_BYZANTINE, num_selected=MULTI_M, device=device)
+    krum = RobustStrategy(rule=KrumRule(num_byzantine=NUM_BYZANTINE, device=device), device=device)
+    multikrum = RobustStrategy(
+        rule=MultiKrumRule(num_byzantine=NUM_BYZANTINE, num_selected=MULTI_M, device=device), device=device
+    )
     methods = {
         "ours_fedavg": (ours(fedavg, global_record), fedavg),
         "flower_fedavg": (flower_fedavg, None),

@@ -91,11 +91,12 @@ from app.task.training import (  # noqa: E402
     use_channels_last,
     with_layout,
 )
-from strategies.coordinatewise import CoordinateMedian  # noqa: E402
+from strategies.coordinatewise import MedianRule  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
 from strategies.fedbuff import FedBuff, InFlight  # noqa: E402
-from strategies.krum import Krum  # noqa: E402
+from strategies.krum import KrumRule  # noqa: E402
 from strategies.replies import specs_of  # noqa: E402
+from strategies.robust import RobustStrategy  # noqa: E402
 from strategies.staleness import staleness_fn  # noqa: E402
 from strategies.tensor_ops import TensorDict, record_to_tensors  # noqa: E402
 
@@ -548,8 +549,8 @@ def check_aggregation_cuda_vs_cpu(ctx: Ctx, fig: dict[str, Any]) -> None:
     specs, global_views = specs_of(global_record), record_to_tensors(global_record)
     methods: dict[str, Callable[[torch.device], FedAvg]] = {
         "fedavg": lambda d: FedAvg(device=d),
-        "krum": lambda d: Krum(num_byzantine=2, device=d),
-        "median": lambda d: CoordinateMedian(num_byzantine=2, device=d),
+        "krum": lambda d: RobustStrategy(rule=KrumRule(num_byzantine=2, device=d), device=d),
+        "median": lambda d: RobustStrategy(rule=MedianRule(num_byzantine=2, device=d), device=d),
     }
     out: dict[str, dict[str, TensorDict]] = {}
     picks: dict[str, list[int]] = {}

@@ -60,8 +60,9 @@ from strategies.fedbuff import BufferStep, FedBuff
 from strategies.node_names import labels
 from strategies.node_wait import wait_for_nodes
 from strategies.opacus_logging import remove_opacus_root_handler
-from strategies.replies import Rejection, Screened, ValidReply, WeightCap, reject, warn_rejected
+from strategies.replies import Rejection, Screened, ValidReply, reject, warn_rejected
 from strategies.robust_ops import apply_update, float_keys
+from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, non_finite_keys
 
@@ -323,12 +324,9 @@ class DPFedAvg(FedAvg):
     poisson : bool (default: False)
         Sample each node independently with probability `fraction_train` instead of
         FedAvg's fixed-size sample.
-    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
-        Who trains and evaluates each round, as in `FedAvg`.
-    min_available_nodes, message_ttl_s, device, weight_cap
-        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
-        example counts, as in `FedAvg` (counts never weigh a release; the cap bounds
-        the training metrics' weights).
+    sampling, limits, wiring, device
+        As in `FedAvg` (counts never weigh a release; the weight cap bounds the training
+        metrics' weights).
     """
 
     screen_finite = True  # NaN/Inf replies are rejected before clipping
@@ -338,32 +336,21 @@ class DPFedAvg(FedAvg):
         *,
         dp: CentralDP,
         poisson: bool = False,
-        fraction_train: float = 1.0,
-        min_train_nodes: int = 2,
-        fraction_evaluate: float = 0.0,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        message_ttl_s: float = 3600.0,
+        sampling: Sampling | None = None,
+        limits: ReplyLimits | None = None,
+        wiring: TaskWiring | None = None,
         device: torch.device | str = "cpu",
-        weight_cap: WeightCap | None = None,
     ) -> None:
-        super().__init__(
-            fraction_train=fraction_train,
-            min_train_nodes=min_train_nodes,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            message_ttl_s=message_ttl_s,
-            device=device,
-            weight_cap=weight_cap,
-        )
-        if poisson and dp.sample_rate != self.fraction_train:
+        super().__init__(sampling=sampling, limits=limits, wiring=wiring, device=device)
+        if poisson and dp.sample_rate != self.sampling.fraction_train:
             raise ValueError(
-                f"Poisson sampling at {self.fraction_train} must be accounted with q = {self.fraction_train}"
+                f"Poisson sampling at {self.sampling.fraction_train} must be accounted with q = {self.sampling.fraction_train}"
             )
-        expected = cohort_sensitivity(fedbuff=False, poisson=poisson, fraction_train=self.fraction_train)
+        expected = cohort_sensitivity(fedbuff=False, poisson=poisson, fraction_train=self.sampling.fraction_train)
         if dp.sensitivity < expected:
-            raise ValueError(f"a fixed-size cohort of a fraction {self.fraction_train} has sensitivity {expected}C")
+            raise ValueError(
+                f"a fixed-size cohort of a fraction {self.sampling.fraction_train} has sensitivity {expected}C"
+            )
         self.dp, self.poisson = dp, poisson
         self.population = 0  # Poisson: N, fixed by the first cohort drawn
         self._cohort_rng = secrets.SystemRandom()
@@ -389,7 +376,12 @@ class DPFedAvg(FedAvg):
         # A bounded wait for min_available_nodes (at least one). A node missing from the Poisson
         # draw only lowers its own sampling probability: the accountant's q still bounds everyone's.
         connected = wait_for_nodes(
-            grid, max(self.min_available_nodes, 1), 1, self.round_wait_timeout_s, self.seen, names=self.names
+            grid,
+            max(self.sampling.min_available_nodes, 1),
+            1,
+            self.sampling.round_wait_timeout_s,
+            self.seen,
+            names=self.wiring.names,
         )
         if not self.population:
             self.population = len(connected)
@@ -401,7 +393,9 @@ class DPFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Sample the cohort, then check the budget before any message is sent."""
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        self._expected_cohort = self.fraction_train * self.population if self.poisson else max(len(messages), 1)
+        self._expected_cohort = (
+            self.sampling.fraction_train * self.population if self.poisson else max(len(messages), 1)
+        )
         self.dp.check_budget(self._expected_cohort)
         return messages
 
@@ -418,7 +412,7 @@ class DPFedAvg(FedAvg):
         noised_mean = self.dp.release(updates, self._global, self._expected_cohort, refused=refused)
         for i in refused:
             reject(screened, valid[i], NON_FINITE_UPDATE)
-        nodes = labels([r.node_id for r in screened.valid], self.names)
+        nodes = labels([r.node_id for r in screened.valid], self.wiring.names)
         return require_finite(
             apply_update(self._global, noised_mean), f"round {server_round}'s model (updates of {nodes})"
         )
@@ -455,8 +449,8 @@ class DPFedBuff(FedBuff):
     buffer_size, concurrency, max_staleness, staleness, staleness_name, server_lr, server_momentum
         The buffer, the staleness bound and weights and the server step, as in
         `FedBuff`; `buffer_size` must not exceed a nonzero `concurrency`.
-    message_ttl_s, poll_interval_s, deadline_grace_s, device
-        Task lifetime, polling and aggregation device, as in `FedBuff`.
+    sampling, limits, wiring, poll_interval_s, deadline_grace_s, device
+        As in `FedBuff`.
     """
 
     one_update_per_node = "central-DP"
@@ -472,7 +466,9 @@ class DPFedBuff(FedBuff):
         staleness_name: str = "polynomial",
         server_lr: float = 0.5,
         server_momentum: float = 0.0,
-        message_ttl_s: float = 600.0,
+        sampling: Sampling | None = None,
+        limits: ReplyLimits | None = None,
+        wiring: TaskWiring | None = None,
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
         device: torch.device | str = "cpu",
@@ -485,7 +481,9 @@ class DPFedBuff(FedBuff):
             staleness_name=staleness_name,
             server_lr=server_lr,
             server_momentum=server_momentum,
-            message_ttl_s=message_ttl_s,
+            sampling=sampling,
+            limits=limits,
+            wiring=wiring,
             poll_interval_s=poll_interval_s,
             deadline_grace_s=deadline_grace_s,
             device=device,
@@ -526,7 +524,7 @@ class DPFedBuff(FedBuff):
         update = self.dp.release(updates, current, self.buffer_size, scales, refused=refused)
         rejected = [Rejection(buffer[i].node_id, NON_FINITE_UPDATE) for i in refused]
         for rejection in rejected:
-            warn_rejected(rejection.node_id, rejection.reason, self.names)
+            warn_rejected(rejection.node_id, rejection.reason, self.wiring.names)
         lr = self.server_lr / self.buffer_size
         used = [
             (r, r.arrays, r.base, lr * s)
@@ -540,7 +538,7 @@ class DPFedBuff(FedBuff):
         DPFedAvg.aggregate_models), so a model that is still not finite stops the run."""
         new, parts, state = super()._step(current, kept)
         if new is not None:
-            nodes = labels([p[0].node_id for p in parts if isinstance(p[0], ValidReply)], self.names)
+            nodes = labels([p[0].node_id for p in parts if isinstance(p[0], ValidReply)], self.wiring.names)
             require_finite(new, f"version {self.version + 1}'s model (updates of {nodes})")
         return new, parts, state
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,22 +25,19 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from strategies.node_names import NodeNames
 from strategies.node_wait import wait_for_nodes
 from strategies.replies import (
     ArraySpec,
-    Downlink,
     EncodedModel,
     Rejection,
     Screened,
-    Unpack,
     ValidReply,
-    WeightCap,
     reject,
     screen_replies,
     specs_of,
     weighted_metrics,
 )
+from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.tensor_ops import (
     NON_FINITE_STEP,
     Part,
@@ -115,58 +112,33 @@ class FedAvg(Strategy):
 
     Parameters
     ----------
-    fraction_train : float (default: 1.0)
-        Fraction of the connected nodes sampled for training; at least
-        `min_train_nodes` are sampled.
-    min_train_nodes : int (default: 2)
-        Minimum number of nodes sampled for training.
-    fraction_evaluate : float (default: 0.0)
-        Fraction of the connected nodes sampled for federated evaluation (0: none).
-    min_evaluate_nodes : int (default: 2)
-        Minimum number of nodes sampled for evaluation, when it is on.
-    min_available_nodes : int (default: 2)
-        Nodes to wait for before sampling.
-    message_ttl_s : float (default: 3600.0)
-        Lifetime of each message sent; a node that has not answered by then is gone.
+    sampling : Sampling
+        Who trains and evaluates each round, the nodes to wait for and for how long, the
+        sampler's seed (`strategies.settings`).
+    limits : ReplyLimits
+        Each task's lifetime, the cap on claimed example counts (None: only
+        `replies.MAX_WEIGHT`), a compressed uplink's decoder.
+    wiring : TaskWiring
+        The frozen parameters every task carries, the downlink codec, per-node task keys,
+        and how log lines name nodes.
     device : torch.device | str (default: "cpu")
         Where replies are aggregated.
-    weight_cap : WeightCap | None (default: None)
-        (node id, metrics, message type) -> the most examples a reply may count for;
-        None caps claims at `replies.MAX_WEIGHT` only.
     """
 
     def __init__(
         self,
         *,
-        fraction_train: float = 1.0,
-        min_train_nodes: int = 2,
-        fraction_evaluate: float = 0.0,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        message_ttl_s: float = 3600.0,
+        sampling: Sampling | None = None,
+        limits: ReplyLimits | None = None,
+        wiring: TaskWiring | None = None,
         device: torch.device | str = "cpu",
-        weight_cap: WeightCap | None = None,
     ) -> None:
-        self.fraction_train = fraction_train
-        self.min_train_nodes = min_train_nodes
-        self.fraction_evaluate = fraction_evaluate
-        self.min_evaluate_nodes = min_evaluate_nodes
-        self.min_available_nodes = min_available_nodes
-        # The longest a round waits for those nodes; then it goes on with fewer if the strategy can,
-        # else stops the run (strategies/node_wait.py). Set by the app from federation.round_wait_timeout_s.
-        self.round_wait_timeout_s = 300.0
-        # Node sampling draws from this generator, seeded by the app, never from the global `random`:
-        # Flower's heartbeat and retry threads draw from that at moments that depend on timing, so
-        # a run's cohorts (and FedBuff's task numbers, hence the nodes' seeds) would too.
-        self.sampler = random.Random(0)
-        self.seen: set[int] = set()  # nodes sampled so far: the missing ones are named while waiting
-        # How log lines name nodes, fed by screening; the run sets one that knows its partition binding.
-        self.names = NodeNames()
-        self.message_ttl_s = message_ttl_s
+        self.sampling = sampling or Sampling()
+        self.limits = limits or ReplyLimits()
+        self.wiring = wiring or TaskWiring()
         self.device = torch.device(device)
-        self.weight_cap = weight_cap
-        self.unpack: Unpack | None = None  # a compressed uplink's decoder (set by the app); None: dense replies
-        self.downlink: Downlink | None = None  # how train tasks carry the model (set by the app); None: as it is
+        self.sampler = random.Random(self.sampling.seed)
+        self.seen: set[int] = set()  # nodes sampled so far: the missing ones are named while waiting
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self._specs: dict[str, ArraySpec] = {}
@@ -179,13 +151,18 @@ class FedAvg(Strategy):
     asynchronous = False
     unit = "round"
 
+    @property
+    def name(self) -> str:
+        """How logs, summaries and checkpoints call this strategy."""
+        return type(self).__name__
+
     def robust_row(self) -> dict[str, Any] | None:
         """The robust rule's picks in the last round, for metrics.jsonl (None: a plain mean)."""
         return None
 
     def cohort_size(self, num_nodes: int) -> int:
         """The most nodes a round samples out of `num_nodes` (Flower's sampling rule)."""
-        return min(num_nodes, max(int(num_nodes * self.fraction_train), self.min_train_nodes))
+        return min(num_nodes, max(int(num_nodes * self.sampling.fraction_train), self.sampling.min_train_nodes))
 
     def node_count_problem(self, num_nodes: int) -> str | None:
         """Checked before the first round: why `num_nodes` nodes could never satisfy this strategy."""
@@ -199,26 +176,17 @@ class FedAvg(Strategy):
         log.info(
             "%s: train %.2f of nodes (min %d), evaluate %.2f (min %d), min available %d, "
             "message TTL %.0f s, aggregating on %s",
-            type(self).__name__,
-            self.fraction_train,
-            self.min_train_nodes,
-            self.fraction_evaluate,
-            self.min_evaluate_nodes,
-            self.min_available_nodes,
-            self.message_ttl_s,
+            self.name,
+            self.sampling.fraction_train,
+            self.sampling.min_train_nodes,
+            self.sampling.fraction_evaluate,
+            self.sampling.min_evaluate_nodes,
+            self.sampling.min_available_nodes,
+            self.limits.message_ttl_s,
             self.device,
         )
 
     # --- sending ---------------------------------------------------------------
-    # The parameters the run keeps frozen (model.trainable): every task carries them besides the
-    # model, and neither they nor their replies' copies are aggregated (clients send only the rest).
-    frozen: ArrayRecord | None = None
-
-    # Per-node training config ((node id, the connected node ids) -> keys merged into that node's
-    # copy of the ConfigRecord): set by app.run.federation for local DP, whose accountant history
-    # each node gets only its own of. The connected ids are read once a round, not once a node.
-    node_config: Callable[[int, Collection[int]], dict[str, Any]] | None = None
-
     def _messages(
         self,
         server_round: int,
@@ -233,9 +201,9 @@ class FedAvg(Strategy):
             return []
         node_ids = self.select_nodes(grid, fraction, minimum, kind)
         config[SERVER_ROUND] = server_round
-        content = task_content(arrays, config, self.frozen)
-        per_node = self.node_config if kind == MessageType.TRAIN else None
-        downlink = self.downlink if kind == MessageType.TRAIN else None
+        content = task_content(arrays, config, self.wiring.frozen)
+        per_node = self.wiring.node_config if kind == MessageType.TRAIN else None
+        downlink = self.wiring.downlink if kind == MessageType.TRAIN else None
         connected = set(grid.get_node_ids()) if per_node is not None else set()
 
         def content_for(node: int) -> RecordDict:
@@ -244,14 +212,14 @@ class FedAvg(Strategy):
             if downlink is not None:
                 sent, entries = downlink.task(node, self._global, arrays)
                 extra = {**extra, **entries}
-            return task_content(sent, ConfigRecord({**config, **extra}), self.frozen) if extra else content
+            return task_content(sent, ConfigRecord({**config, **extra}), self.wiring.frozen) if extra else content
 
         return [
             Message(
                 content=content_for(node),
                 message_type=kind,
                 dst_node_id=node,
-                ttl=self.message_ttl_s,
+                ttl=self.limits.message_ttl_s,
                 group_id=str(server_round),
             )
             for node in node_ids
@@ -264,11 +232,11 @@ class FedAvg(Strategy):
         wanted = max(int(len(list(grid.get_node_ids())) * fraction), minimum)
         nodes = wait_for_nodes(
             grid,
-            max(self.min_available_nodes, wanted),
+            max(self.sampling.min_available_nodes, wanted),
             self.fewest_nodes(minimum) if kind == MessageType.TRAIN else max(minimum, 1),
-            self.round_wait_timeout_s,
+            self.sampling.round_wait_timeout_s,
             self.seen,
-            names=self.names,
+            names=self.wiring.names,
         )
         self.seen.update(nodes)
         return self.sampler.sample(nodes, min(wanted, len(nodes)))
@@ -288,7 +256,13 @@ class FedAvg(Strategy):
         self._specs = specs_of(arrays)
         self._global = record_to_tensors(arrays)
         messages = self._messages(
-            server_round, arrays, config, grid, self.fraction_train, self.min_train_nodes, MessageType.TRAIN
+            server_round,
+            arrays,
+            config,
+            grid,
+            self.sampling.fraction_train,
+            self.sampling.min_train_nodes,
+            MessageType.TRAIN,
         )
         self.train_report = RoundReport(sampled=len(messages))
         self._sent_train = messages  # the grid gives them their ids when it pushes them
@@ -298,7 +272,13 @@ class FedAvg(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         messages = self._messages(
-            server_round, arrays, config, grid, self.fraction_evaluate, self.min_evaluate_nodes, MessageType.EVALUATE
+            server_round,
+            arrays,
+            config,
+            grid,
+            self.sampling.fraction_evaluate,
+            self.sampling.min_evaluate_nodes,
+            MessageType.EVALUATE,
         )
         self.evaluate_report = RoundReport(sampled=len(messages))
         self._sent_evaluate = messages
@@ -356,20 +336,20 @@ class FedAvg(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        if self.downlink is not None:
+        if self.wiring.downlink is not None:
             sent = _destinations(self._sent_train)
             answered = {sent.get(r.metadata.reply_to_message_id) for r in replies if not r.has_error()}
             for node in sent.values():
-                self.downlink.settle(node, node in answered)
+                self.wiring.downlink.settle(node, node in answered)
         screened = screen_replies(
             replies,
             self._specs,
             check_finite=self.screen_finite,
             sent=_destinations(self._sent_train),
-            weight_cap=self.weight_cap,
-            unpack=self.unpack,
+            weight_cap=self.limits.weight_cap,
+            unpack=self.limits.unpack,
             base=self._global,
-            names=self.names,
+            names=self.wiring.names,
         )
         report = self.train_report
         report.capped = [
@@ -390,7 +370,11 @@ class FedAvg(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         screened = screen_replies(
-            replies, None, sent=_destinations(self._sent_evaluate), weight_cap=self.weight_cap, names=self.names
+            replies,
+            None,
+            sent=_destinations(self._sent_evaluate),
+            weight_cap=self.limits.weight_cap,
+            names=self.wiring.names,
         )
         self.evaluate_report.accepted = [r.node_id for r in screened.valid]
         self.evaluate_report.rejected = screened.rejected
@@ -399,8 +383,8 @@ class FedAvg(Strategy):
     # --- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Strategy state for checkpoints (FedAvg carries none across rounds)."""
-        return {"strategy": type(self).__name__}
+        return {"strategy": self.name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("strategy") != type(self).__name__:
-            raise ValueError(f"checkpoint holds {state.get('strategy')} state, not {type(self).__name__}")
+        if state.get("strategy") != self.name:
+            raise ValueError(f"checkpoint holds {state.get('strategy')} state, not {self.name}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,17 +37,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.fedavg import RoundReport, task_content
-from strategies.node_names import NodeNames, label
+from strategies.node_names import label
 from strategies.node_wait import TooFewNodes
 from strategies.replies import (
     ArraySpec,
-    Downlink,
     InvalidReply,
     Rejection,
     Screened,
-    Unpack,
     ValidReply,
-    WeightCap,
     arrays_digest,
     error_text,
     payload_bytes,
@@ -58,6 +55,7 @@ from strategies.replies import (
 )
 from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
+from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import NON_FINITE_STEP, Part, TensorDict, finite_step, record_to_tensors, tensors_to_record
 from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK
@@ -178,8 +176,14 @@ class FedBuff(Strategy):
         A Byzantine-robust rule aggregating the buffer in place of the weighted mean;
         each update is taken against its own base version, and a node's newer update
         replaces its older one in the buffer. K must satisfy the rule's `too_few`.
-    message_ttl_s : float (default: 600.0)
-        Lifetime of each training message (one task may take this long).
+    sampling : Sampling
+        Only the longest wait for nodes (`round_wait_timeout_s`: then the run stops) and
+        the seed of the sampler that picks which idle nodes get tasks.
+    limits : ReplyLimits
+        Each training task's lifetime (one task may take this long), the weight cap and a
+        compressed uplink's decoder, as in `FedAvg`.
+    wiring : TaskWiring
+        Frozen parameters, downlink, per-node task keys and node names, as in `FedAvg`.
     poll_interval_s : float (default: 0.02)
         Pause between polls for replies when none arrived.
     deadline_grace_s : float (default: 5.0)
@@ -187,8 +191,6 @@ class FedBuff(Strategy):
     device : torch.device | str (default: "cpu")
         Where the buffer is aggregated.
     """
-
-    node_config: Callable[[int, Collection[int]], dict[str, Any]] | None = None  # per-node training config, as FedAvg's
 
     def __init__(
         self,
@@ -201,7 +203,9 @@ class FedBuff(Strategy):
         server_lr: float = 0.5,
         server_momentum: float = 0.0,
         buffer_rule: RobustRule | None = None,
-        message_ttl_s: float = 600.0,
+        sampling: Sampling | None = None,
+        limits: ReplyLimits | None = None,
+        wiring: TaskWiring | None = None,
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
         device: torch.device | str = "cpu",
@@ -224,20 +228,15 @@ class FedBuff(Strategy):
         self.server_lr = server_lr
         self.server_momentum = server_momentum
         self.buffer_rule = buffer_rule
-        self.message_ttl_s = message_ttl_s
+        self.sampling = sampling or Sampling()
+        self.limits = limits or ReplyLimits(message_ttl_s=600.0)
+        self.wiring = wiring or TaskWiring()
         self.poll_interval_s = poll_interval_s
-        # No update for this long with too few nodes connected stops the run (strategies/node_wait.py);
-        # set by the app from federation.round_wait_timeout_s.
-        self.round_wait_timeout_s = 300.0
         # Past a message's TTL the SuperLink answers with an error; the local deadline
         # (TTL + grace) is the backstop for a reply that never comes.
         self.deadline_grace_s = deadline_grace_s
         self.device = torch.device(device)
-        self.weight_cap: WeightCap | None = None  # the cap FedAvg uses; set by app.run.federation
-        self.names = NodeNames()  # as FedAvg.names: how log lines name nodes
-        self.unpack: Unpack | None = None  # as FedAvg.unpack: a compressed uplink's decoder
-        self.downlink: Downlink | None = None  # as FedAvg.downlink: how tasks carry the model
-        self.sampler = random.Random(0)  # as FedAvg.sampler: which idle nodes get tasks, seeded by the app
+        self.sampler = random.Random(self.sampling.seed)  # which idle nodes get tasks (as FedAvg's)
         self.version = 0
         self.tasks_sent = 0
         self.discarded_total = 0
@@ -251,9 +250,9 @@ class FedBuff(Strategy):
         self._specs: dict[str, ArraySpec] = {}
         self._arrays = ArrayRecord()
         self._models: dict[int, TensorDict] = {}  # version -> global model, while some task or update needs it
-        self.frozen: ArrayRecord | None = None  # as FedAvg.frozen: sent with every task, never aggregated
 
     # How the server's run drives this strategy (app/run/federation.py): `run`, one callback per version.
+    name = "FedBuff"
     asynchronous = True
     unit = "version"
 
@@ -316,7 +315,7 @@ class FedBuff(Strategy):
             self.server_lr,
             self.server_momentum,
             self.buffer_rule.name if self.buffer_rule else "weighted mean",
-            self.message_ttl_s,
+            self.limits.message_ttl_s,
             self.device,
         )
 
@@ -328,7 +327,7 @@ class FedBuff(Strategy):
         if problem is not None:
             raise TooFewNodes(
                 f"FedBuff: no server update for {stalled_s:.0f} s (federation.round_wait_timeout_s="
-                f"{self.round_wait_timeout_s:g}) and {problem}. The last version is checkpointed: restart the "
+                f"{self.sampling.round_wait_timeout_s:g}) and {problem}. The last version is checkpointed: restart the "
                 "missing SuperNodes and run the same command with name=... resume=auto"
             )
 
@@ -372,15 +371,15 @@ class FedBuff(Strategy):
         messages = []
         for node in self.sampler.sample(idle, free) if free > 0 else []:
             self.tasks_sent += 1
-            extra = self.node_config(node, connected) if self.node_config is not None else {}  # as FedAvg.node_config
+            extra = self.wiring.node_config(node, connected) if self.wiring.node_config is not None else {}
             sent = arrays
-            if self.downlink is not None:
-                sent, entries = self.downlink.task(node, self._models[self.version], arrays)
+            if self.wiring.downlink is not None:
+                sent, entries = self.wiring.downlink.task(node, self._models[self.version], arrays)
                 extra = {**extra, **entries}
             cfg = ConfigRecord({**config, SERVER_ROUND: server_round, TASK: self.tasks_sent, **extra})
-            content = task_content(sent, cfg, self.frozen)
+            content = task_content(sent, cfg, self.wiring.frozen)
             messages.append(
-                Message(content, node, MessageType.TRAIN, ttl=self.message_ttl_s, group_id=str(server_round))
+                Message(content, node, MessageType.TRAIN, ttl=self.limits.message_ttl_s, group_id=str(server_round))
             )
         return messages
 
@@ -398,7 +397,7 @@ class FedBuff(Strategy):
         messages = list(self.configure_train(self.version, self._arrays, config, grid))
         if not messages:
             return
-        deadline = time.monotonic() + self.message_ttl_s + self.deadline_grace_s
+        deadline = time.monotonic() + self.limits.message_ttl_s + self.deadline_grace_s
         for msg, mid in zip(messages, grid.push_messages(messages), strict=True):
             self.in_flight[mid] = InFlight(msg.metadata.dst_node_id, self.version, deadline)
             self.report.bytes_down.append(payload_bytes(msg.content))
@@ -410,11 +409,11 @@ class FedBuff(Strategy):
         if task is None:  # not ours, or given up already
             return
         node = task.node_id
-        if self.downlink is not None:
-            self.downlink.settle(node, not reply.has_error())
+        if self.wiring.downlink is not None:
+            self.wiring.downlink.settle(node, not reply.has_error())
         if reply.has_error():
             self.report.failed.append(Rejection(node, error_text(reply.error)))
-            log.warning("%s: training task failed: %s", label(node, self.names), error_text(reply.error))
+            log.warning("%s: training task failed: %s", label(node, self.wiring.names), error_text(reply.error))
             return
         self.report.client_metrics += [(node, m) for m in reply.content.metric_records.values()]
         self.report.bytes_up.append(payload_bytes(reply.content))
@@ -427,7 +426,7 @@ class FedBuff(Strategy):
             self.discarded_total += 1
             log.info(
                 "%s: update from version %d is %d versions stale (> %d): discarded",
-                label(node, self.names),
+                label(node, self.wiring.names),
                 task.version,
                 tau,
                 self.max_staleness,
@@ -439,14 +438,14 @@ class FedBuff(Strategy):
                 reply,
                 self._specs,
                 node=node,
-                weight_cap=self.weight_cap,
-                unpack=self.unpack,
+                weight_cap=self.limits.weight_cap,
+                unpack=self.limits.unpack,
                 base=base,
-                names=self.names,
+                names=self.wiring.names,
             )
         except InvalidReply as err:
             self.report.rejected.append(Rejection(node, str(err)))
-            warn_rejected(node, str(err), self.names)
+            warn_rejected(node, str(err), self.wiring.names)
             return
         valid.node_id, valid.staleness, valid.base = node, tau, base
         valid.scale = self.staleness(tau)
@@ -470,11 +469,13 @@ class FedBuff(Strategy):
         for mid, task in list(self.in_flight.items()):
             if now > task.deadline:
                 del self.in_flight[mid]
-                if self.downlink is not None:
-                    self.downlink.settle(task.node_id, False)
+                if self.wiring.downlink is not None:
+                    self.wiring.downlink.settle(task.node_id, False)
                 self.report.failed.append(Rejection(task.node_id, "no reply before the message TTL"))
                 log.warning(
-                    "%s: no reply within %.0f s; task given up", label(task.node_id, self.names), self.message_ttl_s
+                    "%s: no reply within %.0f s; task given up",
+                    label(task.node_id, self.wiring.names),
+                    self.limits.message_ttl_s,
                 )
 
     def aggregate_train(
@@ -502,7 +503,7 @@ class FedBuff(Strategy):
                 [r.arrays for r in buffer], [r.base for r in buffer], [r.weight for r in buffer], self.device
             )
             return BufferStep(update, [(r, r.arrays, r.base, lr * r.weight / total) for r in buffer])
-        screened = Screened(valid=list(buffer), names=self.names)
+        screened = Screened(valid=list(buffer), names=self.wiring.names)
         proposed, outcome = self.buffer_rule.aggregate(self.version + 1, current, screened, [r.base for r in buffer])
         picks = RoundReport(
             accepted=[r.node_id for r in screened.valid if r.node_id not in outcome.excluded],
@@ -563,7 +564,7 @@ class FedBuff(Strategy):
                 self.velocity = None
                 continue
             report.rejected.append(Rejection(item.node_id, reason))
-            warn_rejected(item.node_id, reason, self.names)
+            warn_rejected(item.node_id, reason, self.wiring.names)
         gone = {id(item) for item, _ in dropped}
         buffer = [r for r in self.buffer if id(r) not in gone]
         if new is None:
@@ -622,7 +623,7 @@ class FedBuff(Strategy):
             self._push(grid, config)
             replies = list(grid.pull_messages(list(self.in_flight))) if self.in_flight else []
             self.expire(time.monotonic())
-            if time.monotonic() - progress > self.round_wait_timeout_s:
+            if time.monotonic() - progress > self.sampling.round_wait_timeout_s:
                 self.check_nodes(grid, time.monotonic() - progress)
             stop = False
             for i, reply in enumerate(replies):

@@ -11,8 +11,8 @@ selected attacker claiming 1e308 examples would otherwise be the whole average (
 overflow the weight sum to inf and zero the model), undoing the selection that let it
 in only because its update looked honest.
 
-`MultiKrumRule` and `KrumRule` aggregate (in a synchronous round or FedBuff's
-buffer); `MultiKrum` and `Krum` are the synchronous strategies built on them.
+`MultiKrumRule` and `KrumRule` aggregate in a synchronous round (`RobustStrategy`)
+or FedBuff's buffer alike.
 
 Distances come from a Gram matrix of the updates accumulated block by block
 (`robust_ops.update_gram`), never from an n × d copy; its diagonal also tells which
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from strategies.node_names import label
-from strategies.replies import Screened, WeightCap
-from strategies.robust import RobustRule, RobustStrategy, RuleReport, reject_where
+from strategies.replies import Screened
+from strategies.robust import RobustRule, RuleReport, RuleSettings, reject_where
 from strategies.robust_ops import (
     apply_update,
     krum_scores,
@@ -71,6 +71,12 @@ class MultiKrumRule(RobustRule):
         if num_selected < 1:
             raise ValueError(f"num_selected={num_selected} must be >= 1")
         self.num_selected = num_selected
+
+    @classmethod
+    def from_config(cls, st: RuleSettings, device: torch.device | str = "cpu") -> MultiKrumRule:
+        return cls(
+            num_byzantine=st.num_byzantine, num_selected=st.num_selected, on_too_few=st.on_too_few, device=device
+        )
 
     def summary(self) -> None:
         super().summary()
@@ -140,97 +146,6 @@ class KrumRule(MultiKrumRule):
     def __init__(self, *, num_byzantine: int = 0, on_too_few: str = "skip", device: torch.device | str = "cpu") -> None:
         super().__init__(num_byzantine=num_byzantine, num_selected=1, on_too_few=on_too_few, device=device)
 
-
-class MultiKrum(RobustStrategy):
-    """Multi-Krum [Blanchard et al., 2017]: each round's new model is the equal-weight
-    mean of the m best-scored client updates.
-
-    Parameters
-    ----------
-    num_byzantine : int (default: 0)
-        f, the Byzantine clients to tolerate: a round needs n >= 2f + 3 valid replies.
-    num_selected : int (default: 1)
-        m, the updates averaged (m <= n - f).
-    on_too_few : str (default: "skip")
-        "skip" or "fallback": the policy for rounds with too few valid replies
-        (`strategies.robust`).
-    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
-        Who trains and evaluates each round, as in `FedAvg`.
-    min_available_nodes, message_ttl_s, device, weight_cap
-        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
-        example counts, as in `FedAvg`.
-    """
-
-    def __init__(
-        self,
-        *,
-        num_byzantine: int = 0,
-        num_selected: int = 1,
-        on_too_few: str = "skip",
-        fraction_train: float = 1.0,
-        min_train_nodes: int = 2,
-        fraction_evaluate: float = 0.0,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        message_ttl_s: float = 3600.0,
-        device: torch.device | str = "cpu",
-        weight_cap: WeightCap | None = None,
-    ) -> None:
-        super().__init__(
-            rule=MultiKrumRule(
-                num_byzantine=num_byzantine, num_selected=num_selected, on_too_few=on_too_few, device=device
-            ),
-            fraction_train=fraction_train,
-            min_train_nodes=min_train_nodes,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            message_ttl_s=message_ttl_s,
-            device=device,
-            weight_cap=weight_cap,
-        )
-
-
-class Krum(RobustStrategy):
-    """Krum [Blanchard et al., 2017]: each round, the single best-scored client update
-    becomes the new global model.
-
-    Parameters
-    ----------
-    num_byzantine : int (default: 0)
-        f, the Byzantine clients to tolerate: a round needs n >= 2f + 3 valid replies.
-    on_too_few : str (default: "skip")
-        "skip" or "fallback": the policy for rounds with too few valid replies
-        (`strategies.robust`).
-    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
-        Who trains and evaluates each round, as in `FedAvg`.
-    min_available_nodes, message_ttl_s, device, weight_cap
-        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
-        example counts, as in `FedAvg`.
-    """
-
-    def __init__(
-        self,
-        *,
-        num_byzantine: int = 0,
-        on_too_few: str = "skip",
-        fraction_train: float = 1.0,
-        min_train_nodes: int = 2,
-        fraction_evaluate: float = 0.0,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        message_ttl_s: float = 3600.0,
-        device: torch.device | str = "cpu",
-        weight_cap: WeightCap | None = None,
-    ) -> None:
-        super().__init__(
-            rule=KrumRule(num_byzantine=num_byzantine, on_too_few=on_too_few, device=device),
-            fraction_train=fraction_train,
-            min_train_nodes=min_train_nodes,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            message_ttl_s=message_ttl_s,
-            device=device,
-            weight_cap=weight_cap,
-        )
+    @classmethod
+    def from_config(cls, st: RuleSettings, device: torch.device | str = "cpu") -> KrumRule:
+        return cls(num_byzantine=st.num_byzantine, on_too_few=st.on_too_few, device=device)

@@ -22,14 +22,15 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from strategies.fedavg import FedAvg, guarded_step
-from strategies.names import POLICIES
-from strategies.replies import Screened, ValidReply, WeightCap, reject
+from strategies.registry import POLICIES
+from strategies.replies import Screened, ValidReply, reject
 from strategies.robust_ops import apply_update, coordinatewise, stage_groups
+from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.tensor_ops import Part, TensorDict, is_finite
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -51,6 +52,15 @@ def reject_where(screened: Screened, bases: Sequence[TensorDict], bad: Sequence[
         else:
             kept.append(base)
     return kept
+
+
+class RuleSettings(Protocol):
+    """The config section rules are built from (the app's `strategy.*`: StrategyConfig)."""
+
+    num_byzantine: int
+    on_too_few: str
+    num_selected: int
+    trim_ratio: float
 
 
 @dataclass
@@ -88,6 +98,12 @@ class RobustRule(ABC):
         self.num_byzantine = num_byzantine
         self.on_too_few = on_too_few
         self.device = torch.device(device)
+
+    @classmethod
+    def from_config(cls, st: RuleSettings, device: torch.device | str = "cpu") -> RobustRule:
+        """The rule from the strategy section of a config (strategy.*); rules with settings of
+        their own (Multi-Krum's m, the trim ratio) read them in their override."""
+        return cls(num_byzantine=st.num_byzantine, on_too_few=st.on_too_few, device=device)
 
     def summary(self) -> None:
         log.info(
@@ -168,45 +184,34 @@ class RobustRule(ABC):
 class RobustStrategy(FedAvg):
     """FedAvg's sampling and screening with a robust rule in place of the weighted mean.
 
-    `Krum`, `MultiKrum`, `CoordinateMedian` and `TrimmedMean` are this strategy with
-    their rule built in (and their name in logs and checkpoints).
+    One class for every rule: logs, summaries and checkpoints call it by the rule's
+    strategy name (`Krum`, `MultiKrum`, `CoordinateMedian`, `TrimmedMean`, ...), as
+    the classes each rule once had did.
 
     Parameters
     ----------
     rule : RobustRule
         Aggregates each round's valid replies; every base is the round's global model.
-    fraction_train, min_train_nodes, fraction_evaluate, min_evaluate_nodes
-        Who trains and evaluates each round, as in `FedAvg`.
-    min_available_nodes, message_ttl_s, device, weight_cap
-        Nodes to wait for, message lifetime, aggregation device and the cap on claimed
-        example counts, as in `FedAvg`.
+    sampling, limits, wiring, device
+        As in `FedAvg`.
     """
 
     def __init__(
         self,
         *,
         rule: RobustRule,
-        fraction_train: float = 1.0,
-        min_train_nodes: int = 2,
-        fraction_evaluate: float = 0.0,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        message_ttl_s: float = 3600.0,
+        sampling: Sampling | None = None,
+        limits: ReplyLimits | None = None,
+        wiring: TaskWiring | None = None,
         device: torch.device | str = "cpu",
-        weight_cap: WeightCap | None = None,
     ) -> None:
-        super().__init__(
-            fraction_train=fraction_train,
-            min_train_nodes=min_train_nodes,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            message_ttl_s=message_ttl_s,
-            device=device,
-            weight_cap=weight_cap,
-        )
+        super().__init__(sampling=sampling, limits=limits, wiring=wiring, device=device)
         self.rule = rule
         self.screen_finite = not rule.finds_non_finite
+
+    @property
+    def name(self) -> str:
+        return self.rule.name
 
     def robust_row(self) -> dict[str, Any] | None:
         return self.train_report.robust_row()
@@ -220,8 +225,8 @@ class RobustStrategy(FedAvg):
         if (problem := self.cohort_problem(cohort)) is None:
             return None
         return (
-            f"{problem} ({num_nodes} nodes, federation.fraction_train={self.fraction_train}, "
-            f"federation.min_train_nodes={self.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
+            f"{problem} ({num_nodes} nodes, federation.fraction_train={self.sampling.fraction_train}, "
+            f"federation.min_train_nodes={self.sampling.min_train_nodes}); use more nodes or tolerate fewer Byzantine clients"
         )
 
     def cohort_problem(self, cohort: int) -> str | None:

@@ -11,6 +11,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from app.simulation.replies import make_reply
 from strategies.fedavg import FedAvg
 from strategies.replies import specs_of
+from strategies.settings import ReplyLimits, Sampling
 from strategies.tensor_ops import array_view, flatten, record_to_tensors, unflatten, weighted_mean
 
 
@@ -95,7 +96,9 @@ def test_messages_carry_ttl_round_and_config():
     from app.simulation.local_grid import InProcessGrid
 
     grid = InProcessGrid(lambda m, c: m, num_nodes=3)
-    strategy = FedAvg(message_ttl_s=123.0, min_train_nodes=3, min_available_nodes=3)
+    strategy = FedAvg(
+        sampling=Sampling(min_train_nodes=3, min_available_nodes=3), limits=ReplyLimits(message_ttl_s=123.0)
+    )
     msgs = list(
         strategy.configure_train(4, ArrayRecord({"w": Array(np.zeros(2, np.float32))}), ConfigRecord({"a": 1}), grid)
     )
@@ -114,7 +117,7 @@ def test_cohorts_come_from_the_strategys_seeded_sampler_not_the_global_random():
     grid = InProcessGrid(lambda m, c: m, num_nodes=10)
     cohorts = []
     for extra_draws in (0, 3):
-        strategy = FedAvg(min_train_nodes=1, min_available_nodes=1)
+        strategy = FedAvg(sampling=Sampling(min_train_nodes=1, min_available_nodes=1))
         strategy.sampler.seed(7)
         picks = []
         for _ in range(5):

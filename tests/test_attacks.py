@@ -11,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 import app.client_app as client_module
-import app.run.federation as run_module
+import app.run.assemble as run_module
 from app.client_app import app as client_app
 from app.config.compose import load_config
 from app.config.schema import ConfigError

@@ -21,7 +21,7 @@ from opacus.accountants import RDPAccountant
 
 from app.config.compose import load_config
 from app.config.schema import ConfigError
-from app.run.factory import build_strategy
+from app.run.factory import StrategyParts, build_strategy, central_dp
 from app.run.results import read_rows
 from app.run.rows import EXACT_ROW_KEYS
 from app.simulation.local_grid import InProcessGrid
@@ -40,6 +40,7 @@ from strategies.central_dp import (
     update_norm,
 )
 from strategies.replies import Screened, ValidReply
+from strategies.settings import ReplyLimits, Sampling, TaskWiring
 
 DELTA = 1e-5
 
@@ -184,7 +185,7 @@ def test_a_non_finite_release_is_never_made_nor_charged():
 
 
 def test_dpfedavg_never_releases_from_or_into_a_non_finite_model():
-    strategy = DPFedAvg(dp=_dp(), fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    strategy = DPFedAvg(dp=_dp(), sampling=Sampling(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1))
     strategy._global = {"w": torch.tensor([float("inf"), 0.0])}  # a model gone bad some other way
     with pytest.raises(NonFiniteRelease, match="the global model"):
         strategy.aggregate_models(3, Screened())
@@ -200,7 +201,11 @@ def test_dpfedavg_never_releases_from_or_into_a_non_finite_model():
 
 # --- sampling and cohorts ---------------------------------------------------------------------
 def _poisson(q: float = 0.5) -> DPFedAvg:
-    return DPFedAvg(dp=_dp(sample_rate=q), poisson=True, fraction_train=q, min_train_nodes=1, min_available_nodes=2)
+    return DPFedAvg(
+        dp=_dp(sample_rate=q),
+        poisson=True,
+        sampling=Sampling(fraction_train=q, min_train_nodes=1, min_available_nodes=2),
+    )
 
 
 def _arrays() -> ArrayRecord:
@@ -254,7 +259,7 @@ def test_sensitivity_is_two_clips_for_fixed_size_cohorts_from_a_larger_populatio
     assert cohort_sensitivity(fedbuff=False, poisson=False, fraction_train=0.5) == 2.0
     assert cohort_sensitivity(fedbuff=True, poisson=False, fraction_train=1.0) == 2.0
     with pytest.raises(ValueError, match="sensitivity 2.0C"):
-        DPFedAvg(dp=_dp(), fraction_train=0.5)
+        DPFedAvg(dp=_dp(), sampling=Sampling(fraction_train=0.5))
 
 
 # --- DP FedBuff: one update per node per release ----------------------------------------------
@@ -280,7 +285,7 @@ class OneFastNodeGrid(InProcessGrid):
 
 def test_dp_fedbuff_takes_at_most_one_update_per_node_per_release():
     cfg, _ = load_config("strategy=fedbuff strategy.buffer_size=3 strategy.staleness_fn=constant privacy=central")
-    strategy = build_strategy(cfg, torch.device("cpu"))
+    strategy = build_strategy(cfg, StrategyParts(torch.device("cpu"), central_dp(cfg), ReplyLimits(), TaskWiring()))
     assert isinstance(strategy, DPFedBuff)
     strategy.poll_interval_s = 0.0
     grid = OneFastNodeGrid(_echo, num_nodes=4)

@@ -264,7 +264,7 @@ def test_configure_train_fills_idle_nodes_up_to_the_concurrency(rng):
     _send(s, "busy", 1001, 0)
     messages = list(s.configure_train(0, s.arrays, ConfigRecord({"k": 1}), grid))
     assert len(messages) == 2 and 1001 not in {m.metadata.dst_node_id for m in messages}
-    assert all(m.metadata.ttl == s.message_ttl_s for m in messages)
+    assert all(m.metadata.ttl == s.limits.message_ttl_s for m in messages)
     tasks = [m.content["config"]["task"] for m in messages]
     assert len(set(tasks)) == 2 and all(m.content["config"]["server-round"] == 0 for m in messages)
 

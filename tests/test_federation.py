@@ -205,7 +205,7 @@ class _DeployedGrid:
 
 def test_a_deployment_waits_for_nodes_saying_how_long_and_which_key(caplog: pytest.LogCaptureFixture) -> None:
     from app.config.schema import ConfigError
-    from app.run.federation import _wait_for_nodes
+    from app.run.assemble import wait_for_nodes as _wait_for_nodes
 
     with caplog.at_level(logging.INFO), pytest.raises(ConfigError, match=r"only 1 node\(s\) connected after 1 s"):
         _wait_for_nodes(_DeployedGrid(), 2, timeout_s=1.0, simulated=False)

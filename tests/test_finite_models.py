@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +32,13 @@ from app.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from app.simulation.local_grid import InProcessGrid
 from app.simulation.replies import make_reply
 from strategies.central_dp import CentralDP, DPFedAvg, DPFedBuff, NonFiniteRelease
-from strategies.coordinatewise import CoordinateMedian, MedianRule, TrimmedMean, TrimmedMeanRule
+from strategies.coordinatewise import MedianRule, TrimmedMeanRule
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff, InFlight, VersionReport
-from strategies.krum import Krum, KrumRule, MultiKrum, MultiKrumRule
+from strategies.krum import KrumRule, MultiKrumRule
 from strategies.replies import Screened, ValidReply
-from strategies.robust import RobustRule
+from strategies.robust import RobustRule, RobustStrategy
+from strategies.settings import ReplyLimits, Sampling
 from strategies.staleness import staleness_fn
 from strategies.tensor_ops import finite_step, is_finite, non_finite_keys
 
@@ -67,7 +68,7 @@ class SyncDriver:
 
     def __init__(self, strategy: FedAvg, start: dict[str, np.ndarray], nodes: int) -> None:
         self.strategy, self.arrays, self.round = strategy, _record(start), 0
-        strategy.min_available_nodes = strategy.min_train_nodes = nodes
+        strategy.sampling = replace(strategy.sampling, min_available_nodes=nodes, min_train_nodes=nodes)
         self.grid = InProcessGrid(lambda m, c: m, num_nodes=nodes)
 
     @property
@@ -150,8 +151,9 @@ TOPK = CompressionConfig(name="topk", ratio=0.5, error_feedback=False)
 
 
 def _compressed_fedbuff() -> AsyncDriver:
-    strategy = _fedbuff(server_lr=1.0, server_momentum=0.9)
-    strategy.unpack = lambda record, base: unpack(record, base, TOPK)
+    strategy = _fedbuff(
+        server_lr=1.0, server_momentum=0.9, limits=ReplyLimits(unpack=lambda record, base: unpack(record, base, TOPK))
+    )
     return AsyncDriver(strategy, _start(0.0))
 
 
@@ -177,28 +179,28 @@ SCENARIOS: dict[str, Scenario] = {
     # rounds the weighted mean of values all equal to float32-max up to inf.
     "fedavg": Scenario(lambda: SyncDriver(FedAvg(), _start(MAX), 3), attack=[MAX], start_w0=MAX, refused_step=[True]),
     "krum": Scenario(
-        lambda: SyncDriver(Krum(num_byzantine=1), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=KrumRule(num_byzantine=1)), _start(0.0), 5),
         attack=[MAX, -MAX],
         honest_per_step=4,
         rule_adds_updates=True,
         refused_step=[False, True],
     ),
     "multikrum": Scenario(
-        lambda: SyncDriver(MultiKrum(num_byzantine=1, num_selected=3), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=MultiKrumRule(num_byzantine=1, num_selected=3)), _start(0.0), 5),
         attack=[MAX, -MAX],
         honest_per_step=4,
         rule_adds_updates=True,
         refused_step=[False, True],
     ),
     "median": Scenario(
-        lambda: SyncDriver(CoordinateMedian(num_byzantine=1), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=MedianRule(num_byzantine=1)), _start(0.0), 5),
         attack=[MAX, -MAX],
         honest_per_step=4,
         rule_adds_updates=True,
         refused_step=[False, True],
     ),
     "trimmed_mean": Scenario(
-        lambda: SyncDriver(TrimmedMean(num_byzantine=1, trim_ratio=0.2), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=TrimmedMeanRule(num_byzantine=1, trim_ratio=0.2)), _start(0.0), 5),
         attack=[MAX, -MAX],
         honest_per_step=4,
         rule_adds_updates=True,
@@ -309,12 +311,12 @@ def test_a_liar_cannot_make_any_model_non_finite(name, monkeypatch, tmp_path, ca
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: SyncDriver(Krum(num_byzantine=1), _start(0.0), 5),
-        lambda: SyncDriver(MultiKrum(num_byzantine=1, num_selected=3), _start(0.0), 5),
-        lambda: SyncDriver(CoordinateMedian(num_byzantine=1), _start(0.0), 5),
-        lambda: SyncDriver(TrimmedMean(num_byzantine=1, trim_ratio=0.2), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=KrumRule(num_byzantine=1)), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=MultiKrumRule(num_byzantine=1, num_selected=3)), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=MedianRule(num_byzantine=1)), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=TrimmedMeanRule(num_byzantine=1, trim_ratio=0.2)), _start(0.0), 5),
         # f = 0 and nothing trimmed: the mean of updates, where -max - base overflows
-        lambda: SyncDriver(TrimmedMean(num_byzantine=0, trim_ratio=0.1), _start(0.0), 5),
+        lambda: SyncDriver(RobustStrategy(rule=TrimmedMeanRule(num_byzantine=0, trim_ratio=0.1)), _start(0.0), 5),
         lambda: AsyncDriver(_fedbuff(buffer_size=5, buffer_rule=KrumRule(num_byzantine=1)), _start(0.0)),
         lambda: AsyncDriver(_fedbuff(buffer_size=5, buffer_rule=TrimmedMeanRule(trim_ratio=0.1)), _start(0.0)),
     ],
@@ -375,7 +377,9 @@ def test_a_dp_release_leaves_out_an_update_that_is_not_finite_and_names_it():
 def test_dp_model_overflow_stops_the_run_naming_the_nodes():
     """Clipped updates cannot overflow a sane model: a non-finite model after a release means the
     settings are absurd; redoing the release would spend epsilon twice, so it raises instead."""
-    strategy = DPFedAvg(dp=CentralDP(noise_multiplier=1e-29, clip_norm=1e38, delta=1e-5), min_train_nodes=1)
+    strategy = DPFedAvg(
+        dp=CentralDP(noise_multiplier=1e-29, clip_norm=1e38, delta=1e-5), sampling=Sampling(min_train_nodes=1)
+    )
     strategy._global, strategy._expected_cohort = {"w": torch.tensor([3e38])}, 0.1
     reply = ValidReply(node_id=7, weight=1.0, metrics=MetricRecord(), arrays={"w": torch.tensor([3.3e38])})
     with pytest.raises(NonFiniteRelease, match=r"round 3's model \(updates of \[node 7\]\)"):

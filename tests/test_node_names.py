@@ -75,12 +75,12 @@ def test_a_hostile_name_is_escaped_cut_and_shown_with_the_id_and_decides_nothing
     (rejection,) = [m for m in messages if m.startswith("rejected reply from")]
     assert rejection.startswith("rejected reply from site-a\\n[round 9/10] accuracy 0.9999\\x1b[2J\\x1b]0;owned\\x07")
     assert "\\u202e (node 2): " in rejection
-    shown = strategy.names.shown(3)
+    shown = strategy.wiring.names.shown(3)
     assert shown == "x" * MAX_NAME + f"... ({10_000 - MAX_NAME} more characters)"
-    assert label(3, strategy.names) == f"{shown} (node 3)"
+    assert label(3, strategy.wiring.names) == f"{shown} (node 3)"
     (twin,) = [r for r in caplog.records if r.levelno == logging.WARNING and "as [" in r.getMessage()]
     assert twin.getMessage().startswith("node 4 names itself site-a, as [site-a (node 1)] did")
-    assert label(4, strategy.names) == "site-a (node 4)" and label(5, strategy.names) == "node 5"
+    assert label(4, strategy.wiring.names) == "site-a (node 4)" and label(5, strategy.wiring.names) == "node 5"
 
 
 def _deployed_task(tmp_path) -> tuple[Message, str]:  # noqa: ANN001

@@ -14,6 +14,7 @@ from app.simulation.replies import make_reply
 from strategies.fedavg import FedAvg
 from strategies.partitions import PartitionBinding
 from strategies.replies import InvalidReply, specs_of
+from strategies.settings import ReplyLimits
 
 
 def test_first_claim_binds_and_later_claims_must_match():
@@ -49,9 +50,8 @@ def _claims_of_partition_zero(binding: PartitionBinding) -> tuple[list[int], dic
     """Nodes 1 and 2 both report partition 0 (node 1 first: it claims node 2's partition), through
     FedAvg's screening with the run's example cap; (accepted nodes, rejection reasons)."""
     model = {"w": np.zeros((3, 2), np.float32)}
-    strategy = FedAvg()
+    strategy = FedAvg(limits=ReplyLimits(weight_cap=example_cap(Config(), np.repeat(np.arange(10), 30), binding)))
     strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model.items()}))
-    strategy.weight_cap = example_cap(Config(), np.repeat(np.arange(10), 30), binding)
     replies = [make_reply(n, model, {"num-examples": 50, PARTITION_ID: 0}) for n in (1, 2)]
     strategy.aggregate_train(1, replies)
     return strategy.train_report.accepted, {r.node_id: r.reason for r in strategy.train_report.rejected}
@@ -80,7 +80,7 @@ def test_only_simulated_grids_bind_partitions_from_claims():
     from flwr.superlink.grid.http_grid import HttpGrid
     from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-    from app.run.federation import runs_simulated_nodes
+    from app.run.assemble import runs_simulated_nodes
 
     assert runs_simulated_nodes(InProcessGrid(lambda m, c: m, num_nodes=1))
     assert runs_simulated_nodes(InMemoryGrid.__new__(InMemoryGrid))

@@ -11,6 +11,7 @@ from app.simulation.replies import make_reply
 from strategies import tensor_ops
 from strategies.fedavg import FedAvg
 from strategies.replies import MAX_WEIGHT, InvalidReply, screen_replies, specs_of, weighted_metrics
+from strategies.settings import ReplyLimits
 
 
 def _bad_replies(good: dict[str, np.ndarray]) -> dict[str, object]:
@@ -124,7 +125,7 @@ def _liar_round(rng, model_arrays, claim: float, weight_cap=None):
     liar = {k: np.full_like(v, -50.0) for k, v in model_arrays.items()}
     replies = [make_reply(i + 1, m, {"num-examples": 100}) for i, m in enumerate(honest)]
     replies.append(make_reply(99, liar, {"num-examples": claim}))
-    strategy = FedAvg(weight_cap=weight_cap)
+    strategy = FedAvg(limits=ReplyLimits(weight_cap=weight_cap))
     strategy._specs = specs_of(ArrayRecord({k: Array(v) for k, v in model_arrays.items()}))
     arrays, metrics = strategy.aggregate_train(1, replies)
     return strategy, honest, liar, arrays, metrics
@@ -168,7 +169,7 @@ def test_evaluation_counts_are_capped_too():
 
     good = make_reply(1, None, {"num-examples": 10, "eval-accuracy": 0.9})
     liar = make_reply(2, None, {"num-examples": 1e12, "eval-accuracy": 0.0})
-    metrics = FedAvg(weight_cap=cap).aggregate_evaluate(1, [good, liar])
+    metrics = FedAvg(limits=ReplyLimits(weight_cap=cap)).aggregate_evaluate(1, [good, liar])
     assert metrics["eval-accuracy"] == pytest.approx(0.45) and metrics["num-examples"] == 20
 
 

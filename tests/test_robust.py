@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,11 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from app.simulation.local_grid import InProcessGrid
 from app.simulation.replies import make_reply
-from strategies.coordinatewise import CoordinateMedian, TrimmedMean
-from strategies.krum import Krum, MultiKrum, MultiKrumRule
+from strategies.coordinatewise import MedianRule, TrimmedMeanRule
+from strategies.krum import KrumRule, MultiKrumRule
+from strategies.robust import RobustStrategy
 from strategies.robust_ops import coordinatewise, krum_scores, squared_distances, update_gram
+from strategies.settings import ReplyLimits
 from strategies.tensor_ops import record_to_tensors
 
 CPU = torch.device("cpu")
@@ -50,7 +54,7 @@ def _setup(rng, n: int, outliers: dict[int, float], counts=None, counters_differ
 def _configure(strategy, global_model, n: int):
     grid = InProcessGrid(lambda m, c: m, num_nodes=n)
     record = ArrayRecord({k: Array(v) for k, v in global_model.items()})
-    strategy.min_available_nodes = strategy.min_train_nodes = n
+    strategy.sampling = replace(strategy.sampling, min_available_nodes=n, min_train_nodes=n)  # a test's cohort
     strategy.configure_train(1, record, ConfigRecord(), grid)
     return record
 
@@ -62,7 +66,11 @@ def test_krum_selects_what_flower_selects(seed, m):
     rng = np.random.default_rng(seed)
     n = 11
     global_model, _, replies, _ = _setup(rng, n, outliers={2: 5.0, 7: 3.0}, counts=[20] * n, counters_differ=False)
-    strategy = Krum(num_byzantine=2) if m == 1 else MultiKrum(num_byzantine=2, num_selected=m)
+    strategy = (
+        RobustStrategy(rule=KrumRule(num_byzantine=2))
+        if m == 1
+        else RobustStrategy(rule=MultiKrumRule(num_byzantine=2, num_selected=m))
+    )
     _configure(strategy, global_model, n)
     ours, _ = strategy.aggregate_train(1, replies)
     flower_selected = select_multikrum([r.content for r in replies], num_malicious_nodes=2, num_nodes_to_select=m)
@@ -94,7 +102,10 @@ def test_gram_and_distances_equal_the_closed_form_with_per_client_bases():
 def test_median_and_trimmed_mean_equal_numpy(n):
     rng = np.random.default_rng(n)
     global_model, models, replies, _ = _setup(rng, n, outliers={0: 50.0})
-    for strategy, trim in ((CoordinateMedian(), None), (TrimmedMean(trim_ratio=0.2), int(0.2 * n))):
+    for strategy, trim in (
+        (RobustStrategy(rule=MedianRule()), None),
+        (RobustStrategy(rule=TrimmedMeanRule(trim_ratio=0.2)), int(0.2 * n)),
+    ):
         _configure(strategy, global_model, n)
         ours, _ = strategy.aggregate_train(1, replies)
         for key in ("conv.weight", "fc.weight"):
@@ -120,7 +131,7 @@ def test_nan_update_is_rejected_through_the_gram_diagonal():
     global_model, models, replies, _ = _setup(rng, 8, outliers={})
     models[3]["fc.weight"][0, 0] = np.nan
     replies[3] = make_reply(103, models[3], {"num-examples": 10})
-    strategy = Krum(num_byzantine=1)
+    strategy = RobustStrategy(rule=KrumRule(num_byzantine=1))
     _configure(strategy, global_model, 8)
     arrays, _ = strategy.aggregate_train(1, replies)
     assert arrays is not None and np.isfinite(arrays["fc.weight"].numpy()).all()
@@ -139,7 +150,7 @@ def test_too_few_valid_replies_apply_the_policy(policy, num_valid, outcome):
     global_model, models, replies, _ = _setup(rng, 7, outliers={})
     gone = 7 - num_valid
     broken = [make_reply(100 + i, None, None, error="node vanished") for i in range(gone)]
-    strategy = Krum(num_byzantine=2, on_too_few=policy)
+    strategy = RobustStrategy(rule=KrumRule(num_byzantine=2, on_too_few=policy))
     _configure(strategy, global_model, 7)
     arrays, _ = strategy.aggregate_train(1, broken + replies[gone:])
     assert strategy.train_report.policy == outcome
@@ -152,18 +163,22 @@ def test_too_few_valid_replies_apply_the_policy(policy, num_valid, outcome):
 
 
 def test_cohort_problems_are_reported_before_training():
-    assert "n >= 2f+3 = 7" in Krum(num_byzantine=2).cohort_problem(6)
-    assert Krum(num_byzantine=2).cohort_problem(7) is None
-    assert "num_selected=6 must be <= n - f = 5" in MultiKrum(num_byzantine=2, num_selected=6).cohort_problem(7)
-    assert "n >= 2f+1 = 5" in CoordinateMedian(num_byzantine=2).cohort_problem(4)
-    assert "fewer than strategy.num_byzantine=2" in TrimmedMean(trim_ratio=0.1, num_byzantine=2).cohort_problem(10)
-    assert TrimmedMean(trim_ratio=0.2, num_byzantine=2).cohort_problem(10) is None
+    assert "n >= 2f+3 = 7" in RobustStrategy(rule=KrumRule(num_byzantine=2)).cohort_problem(6)
+    assert RobustStrategy(rule=KrumRule(num_byzantine=2)).cohort_problem(7) is None
+    assert "num_selected=6 must be <= n - f = 5" in RobustStrategy(
+        rule=MultiKrumRule(num_byzantine=2, num_selected=6)
+    ).cohort_problem(7)
+    assert "n >= 2f+1 = 5" in RobustStrategy(rule=MedianRule(num_byzantine=2)).cohort_problem(4)
+    assert "fewer than strategy.num_byzantine=2" in RobustStrategy(
+        rule=TrimmedMeanRule(trim_ratio=0.1, num_byzantine=2)
+    ).cohort_problem(10)
+    assert RobustStrategy(rule=TrimmedMeanRule(trim_ratio=0.2, num_byzantine=2)).cohort_problem(10) is None
 
 
 def test_views_of_the_global_model_are_the_bases():
     rng = np.random.default_rng(7)
     global_model, _, _, _ = _setup(rng, 3, outliers={})
-    strategy = CoordinateMedian()
+    strategy = RobustStrategy(rule=MedianRule())
     record = _configure(strategy, global_model, 3)
     assert all(torch.equal(strategy._global[k], record_to_tensors(record)[k]) for k in global_model)
 
@@ -179,7 +194,7 @@ def test_selected_attackers_claiming_huge_counts_do_not_decide_the_multikrum_mea
     for i in (0, 1):  # honest-looking: the mean of everyone's models is the closest to all of them
         models[i] = {k: np.asarray(honest_mean[k], dtype=v.dtype) for k, v in global_model.items()}
         replies[i] = make_reply(100 + i, models[i], {"num-examples": 1e308})
-    strategy = MultiKrum(num_byzantine=2, num_selected=4)
+    strategy = RobustStrategy(rule=MultiKrumRule(num_byzantine=2, num_selected=4))
     _configure(strategy, global_model, n)
     arrays, _ = strategy.aggregate_train(1, replies)
     selected = strategy.train_report.accepted
@@ -203,9 +218,14 @@ def test_robust_fedbuff_buffer_weighs_by_staleness_not_by_claims():
     versions = [0, 1, 1, 1, 1]  # node 0 trained on version 0: staleness 1, s = 2^-0.5
 
     def run(rule, cap):
-        s = FedBuff(buffer_size=5, max_staleness=2, staleness=staleness_fn("polynomial", 0.5), server_lr=1.0)
-        s.buffer_rule = rule
-        s.weight_cap = cap
+        s = FedBuff(
+            buffer_size=5,
+            max_staleness=2,
+            staleness=staleness_fn("polynomial", 0.5),
+            server_lr=1.0,
+            buffer_rule=rule,
+            limits=ReplyLimits(weight_cap=cap),
+        )
         for v, model in ((0, v0), (1, v1)):
             s.set_model(ArrayRecord({k: Array(x) for k, x in model.items()}), v)
         replies = []

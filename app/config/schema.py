@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The robust rules' names and too-few policies belong to the strategies (an import-free module).
-from strategies.names import POLICIES, ROBUST_RULES
+from strategies.registry import POLICIES, ROBUST_RULES
 
 STRATEGIES = ("fedavg", *ROBUST_RULES, "fedbuff")
 BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
@@ -77,7 +77,7 @@ class ConfigError(ValueError):
 @dataclass(unsafe_hash=True)
 class StrategyConfig:
     name: str = "fedavg"
-    # Byzantine-robust strategies (krum, multikrum, median, trimmed_mean):
+    # Byzantine-robust strategies (any rule in strategies/registry.py):
     num_byzantine: int = 0  # f, the Byzantine clients to tolerate
     num_selected: int = 1  # m, Multi-Krum's selected updates
     trim_ratio: float = 0.1  # trimmed mean: fraction trimmed from each end
@@ -91,7 +91,7 @@ class StrategyConfig:
     staleness_b: float = 4.0  # hinge: no discount up to b versions
     server_lr: float = 0.5  # η
     server_momentum: float = 0.0  # β
-    buffer_aggregator: str = "mean"  # mean | krum | multikrum | median | trimmed_mean
+    buffer_aggregator: str = "mean"  # mean, or a robust rule of strategies/registry.py
 
 
 @dataclass(unsafe_hash=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -15,20 +16,23 @@ from flwr.app import ArrayRecord, MessageType, MetricRecord
 
 from app.compression.downlink import Downlink
 from app.compression.wire import NodeModel, unpack
-from app.config.schema import ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
+from app.config.registry import Registry
+from app.config.schema import PRIVACY, ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
 from app.privacy.accounting import Prescription
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.task.data import DataSpec, partition_indices, validation_size
 from app.task.models import build_model, check_fits, freeze, load_init_weights
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
-from strategies.coordinatewise import CoordinateMedian, MedianRule, TrimmedMean, TrimmedMeanRule
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
-from strategies.krum import Krum, KrumRule, MultiKrum, MultiKrumRule
+from strategies.interface import ServerStrategy
+from strategies.node_names import NodeNames
 from strategies.partitions import PartitionBinding
+from strategies.registry import rule_class
 from strategies.replies import WeightCap
 from strategies.robust import RobustRule, RobustStrategy
+from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import staleness_fn
 
 
@@ -51,27 +55,8 @@ def global_model(cfg: Config, spec: DataSpec, probe: torch.Tensor) -> torch.nn.M
 
 
 def robust_rule(name: str, st: StrategyConfig, device: torch.device) -> RobustRule:
-    """The robust rule `name` with f, m, the trim ratio and the too-few policy from the config."""
-    common: dict[str, Any] = {"num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few, "device": device}
-    if name == "krum":
-        return KrumRule(**common)
-    if name == "multikrum":
-        return MultiKrumRule(num_selected=st.num_selected, **common)
-    if name == "median":
-        return MedianRule(**common)
-    return TrimmedMeanRule(trim_ratio=st.trim_ratio, **common)
-
-
-def robust_strategy(name: str, st: StrategyConfig, sampling: dict[str, Any]) -> RobustStrategy:
-    """The synchronous strategy of the robust rule `name` (its class name shows in logs and summary)."""
-    common: dict[str, Any] = {"num_byzantine": st.num_byzantine, "on_too_few": st.on_too_few, **sampling}
-    if name == "krum":
-        return Krum(**common)
-    if name == "multikrum":
-        return MultiKrum(num_selected=st.num_selected, **common)
-    if name == "median":
-        return CoordinateMedian(**common)
-    return TrimmedMean(trim_ratio=st.trim_ratio, **common)
+    """The robust rule registered as `name` (strategies/registry.py), built from strategy.*."""
+    return rule_class(name).from_config(st, device)
 
 
 def central_dp(cfg: Config) -> CentralDP | None:
@@ -94,25 +79,49 @@ def central_dp(cfg: Config) -> CentralDP | None:
     )
 
 
-def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
-    """The configured strategy; robust ones get their rule, central DP its mechanism."""
-    f, st = cfg.federation, cfg.strategy
-    sampling: dict[str, Any] = {
-        "fraction_train": f.fraction_train,
-        "min_train_nodes": f.min_train_nodes,
-        "fraction_evaluate": f.fraction_evaluate,
-        "min_evaluate_nodes": f.min_evaluate_nodes,
-        "min_available_nodes": f.min_available_nodes,
-        "message_ttl_s": f.message_ttl_s,
-        "device": device,
-    }
-    dp = central_dp(cfg)
-    if st.name == "fedavg":
-        return FedAvg(**sampling) if dp is None else DPFedAvg(dp=dp, poisson=cfg.privacy.poisson_sampling, **sampling)
-    if st.name in ROBUST_RULES:
-        return robust_strategy(st.name, st, sampling)
-    if st.name != "fedbuff":
-        raise ConfigError(f"strategy.name={st.name!r} is invalid: allowed: {', '.join(STRATEGIES)}")
+def sampling_of(cfg: Config) -> Sampling:
+    """Who a round asks, how long it waits for them, and the strategy sampler's seed."""
+    f = cfg.federation
+    return Sampling(
+        fraction_train=f.fraction_train,
+        min_train_nodes=f.min_train_nodes,
+        fraction_evaluate=f.fraction_evaluate,
+        min_evaluate_nodes=f.min_evaluate_nodes,
+        min_available_nodes=f.min_available_nodes,
+        round_wait_timeout_s=f.round_wait_timeout_s,
+        seed=cfg.seed,
+    )
+
+
+@dataclass(frozen=True)
+class StrategyParts:
+    """What `build_strategy` hands every strategy besides its own config section."""
+
+    device: torch.device
+    dp: CentralDP | None
+    limits: ReplyLimits
+    wiring: TaskWiring
+
+
+def _fedavg(cfg: Config, parts: StrategyParts) -> FedAvg:
+    common: dict[str, Any] = {"sampling": sampling_of(cfg), "limits": parts.limits, "wiring": parts.wiring}
+    if parts.dp is None:
+        return FedAvg(device=parts.device, **common)
+    return DPFedAvg(dp=parts.dp, poisson=cfg.privacy.poisson_sampling, device=parts.device, **common)
+
+
+def _robust(cfg: Config, parts: StrategyParts) -> RobustStrategy:
+    return RobustStrategy(
+        rule=robust_rule(cfg.strategy.name, cfg.strategy, parts.device),
+        sampling=sampling_of(cfg),
+        limits=parts.limits,
+        wiring=parts.wiring,
+        device=parts.device,
+    )
+
+
+def _fedbuff(cfg: Config, parts: StrategyParts) -> FedBuff:
+    st = cfg.strategy
     buffer: dict[str, Any] = {
         "buffer_size": st.buffer_size,
         "concurrency": st.concurrency,
@@ -121,16 +130,29 @@ def build_strategy(cfg: Config, device: torch.device) -> FedAvg | FedBuff:
         "staleness_name": st.staleness_fn,
         "server_lr": st.server_lr,
         "server_momentum": st.server_momentum,
+        "sampling": sampling_of(cfg),
         # One training task may take round_timeout_s; its message lives no longer.
-        "message_ttl_s": f.round_timeout_s,
-        "device": device,
+        "limits": replace(parts.limits, message_ttl_s=cfg.federation.round_timeout_s),
+        "wiring": parts.wiring,
+        "device": parts.device,
     }
-    if dp is not None:  # validation allows central DP only with the mean buffer
-        return DPFedBuff(dp=dp, **buffer)
-    rule = None if st.buffer_aggregator == "mean" else robust_rule(st.buffer_aggregator, st, device)
+    if parts.dp is not None:  # validation allows central DP only with the mean buffer
+        return DPFedBuff(dp=parts.dp, **buffer)
+    rule = None if st.buffer_aggregator == "mean" else robust_rule(st.buffer_aggregator, st, parts.device)
     if rule is not None and st.buffer_size and (problem := rule.too_few(st.buffer_size)):
         raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
     return FedBuff(buffer_rule=rule, **buffer)
+
+
+_STRATEGIES: Registry[Callable[[Config, StrategyParts], ServerStrategy]] = Registry(
+    "strategy.name", STRATEGIES, {"fedavg": _fedavg, "fedbuff": _fedbuff, **dict.fromkeys(ROBUST_RULES, _robust)}
+)
+
+
+def build_strategy(cfg: Config, parts: StrategyParts) -> ServerStrategy:
+    """The configured strategy, built once with everything it needs: robust ones get their rule
+    from the registry, central DP its mechanism (`parts.dp`)."""
+    return _STRATEGIES[cfg.strategy.name](cfg, parts)
 
 
 def partition_sizes(cfg: Config, labels: np.ndarray, num_partitions: int) -> Callable[[int], tuple[int, int]]:
@@ -201,28 +223,46 @@ def downlink_encoder(cfg: CompressionConfig, seed: int) -> Downlink | None:
     return Downlink(cfg, seed) if cfg.downlink != "none" else None
 
 
-def check_cohort(cfg: Config, strategy: FedAvg | FedBuff, num_nodes: int) -> None:
+def check_cohort(cfg: Config, strategy: ServerStrategy, num_nodes: int) -> None:
     """Before the first round: can the connected nodes ever satisfy the strategy and the attack?
     (FedBuff's K is chosen here when strategy.buffer_size=0: it depends on the nodes.)"""
-    if isinstance(strategy, FedBuff):
-        strategy.size_buffer(num_nodes)
+    if strategy.asynchronous:
+        strategy.size_buffer(num_nodes)  # type: ignore[attr-defined] - a BufferStrategy
     if problem := strategy.node_count_problem(num_nodes):
         raise ConfigError(problem)
     if cfg.attack.num_malicious > num_nodes:
         raise ConfigError(f"attack.num_malicious={cfg.attack.num_malicious} is invalid: only {num_nodes} nodes")
 
 
-def run_privacy(
-    cfg: Config, strategy: FedAvg | FedBuff, partitions: PartitionBinding, state: dict[str, Any]
+def _no_privacy(
+    cfg: Config, dp: CentralDP | None, partitions: PartitionBinding, state: dict, names: NodeNames
 ) -> RunPrivacy:
-    """The run's privacy book-keeping for `privacy.name`; local DP also gives the strategy each
-    node's own accountant history to send (`strategy.node_config`) and, around its weight cap
-    (set before this), the check that rejects a reply whose history the server would refuse."""
-    p = cfg.privacy
-    if p.name == "local":
-        local = LocalPrivacy(p, partitions, state.get("local_dp"), Prescription.of(cfg))
-        strategy.node_config = local.prior
-        strategy.weight_cap = local.screening(strategy.weight_cap)
-        return local
-    dp: CentralDP | None = getattr(strategy, "dp", None)
-    return NoPrivacy() if dp is None else CentralPrivacy(dp, p.report_exact)
+    return NoPrivacy()
+
+
+def _local_privacy(
+    cfg: Config, dp: CentralDP | None, partitions: PartitionBinding, state: dict, names: NodeNames
+) -> RunPrivacy:
+    return LocalPrivacy(cfg.privacy, partitions, state.get("local_dp"), Prescription.of(cfg), names)
+
+
+def _central_privacy(
+    cfg: Config, dp: CentralDP | None, partitions: PartitionBinding, state: dict, names: NodeNames
+) -> RunPrivacy:
+    assert dp is not None  # central_dp(cfg) for a central privacy.name
+    return CentralPrivacy(dp, cfg.privacy.report_exact)
+
+
+_PRIVACY: Registry[Callable[..., RunPrivacy]] = Registry(
+    "privacy.name",
+    PRIVACY,
+    {"none": _no_privacy, "local": _local_privacy, "central": _central_privacy, "central_adaptive": _central_privacy},
+)
+
+
+def run_privacy(
+    cfg: Config, dp: CentralDP | None, partitions: PartitionBinding, state: dict[str, Any], names: NodeNames
+) -> RunPrivacy:
+    """The run's privacy book-keeping for `privacy.name`, chosen once: the loops, the strategy's
+    weight cap (`screening`) and its per-node task keys (`node_config`) ask it, never the name."""
+    return _PRIVACY[cfg.privacy.name](cfg, dp, partitions, state, names)

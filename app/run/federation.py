@@ -1,89 +1,43 @@
-"""The run behind the ServerApp: set-up, the synchronous round loop or FedBuff's
-asynchronous one, results, checkpoints and stopping rules.
+"""The loops of a run: the synchronous rounds or FedBuff's asynchronous versions, central
+evaluation, each step's records (row, ledger entry, checkpoint, live metrics) and the
+stopping rules. Every part they work on is built beforehand by `app.run.assemble`.
 
 Flower's `Strategy.start` cannot resume from a round, write a checkpoint between
 rounds or stop at a target accuracy, so the loops live here; the synchronous one
-drives any strategy through the same configure/aggregate calls, the asynchronous one
-hands FedBuff a callback for every server update.
+drives any `RoundStrategy` through the same configure/aggregate calls, the asynchronous
+one hands a `BufferStrategy` a callback for every server update.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import sys
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from app.config.schema import Config, ConfigError, FleetConfig
-from app.ledger.chain import Ledger, model_digest
-from app.ledger.nodes import NodeKeys
-from app.ledger.signing import load_signing_key
-from app.protocol import LEDGER_ON, RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP, ROUNDS_KEY, to_client_record
-from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from app.run.contributions import RoundScores
-from app.run.factory import (
-    build_strategy,
-    check_cohort,
-    downlink_encoder,
-    example_cap,
-    global_model,
-    partition_sizes,
-    run_privacy,
-    uplink_decoder,
-)
+from app.config.schema import Config, ConfigError
+from app.ledger.chain import model_digest
+from app.run.assemble import Run, assemble
+from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
 from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
-from app.run.monitoring import Monitor
-from app.run.results import RunRecorder, new_run_dir, read_summary
+from app.run.results import read_summary
 from app.run.rows import check_columns, reply_metrics, reported, round_row, traffic, version_row
-from app.simulation.attacks import malicious_partitions
-from app.simulation.fleet import describe, fleet_of, fleet_profiles
-from app.simulation.local_grid import InProcessGrid
-from app.simulation.virtual_clock import VirtualClockGrid, discover_partitions
-from app.task.data import Examples, check_partitioning, data_spec, load_splits, materialize, spec_to_record
-from app.task.metrics import Task
-from app.task.models import model_key, trainable_keys
-from app.task.training import evaluate, model_inputs, resolve_device, resolve_precision
+from app.task.training import evaluate
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
-from strategies.node_names import NodeNames, labels
+from strategies.node_names import labels
 from strategies.node_wait import TooFewNodes
-from strategies.partitions import PartitionBinding
 from strategies.replies import payload_bytes
 from strategies.tensor_ops import record_to_tensors
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
-
-NodeConfig = Callable[[int, Collection[int]], dict[str, Any]]  # as the strategies' node_config
-
-
-def checkpoint_to_resume(cfg: Config, root: Path) -> Path | None:
-    """The checkpoint `resume` names: a path, or with `auto` the named run's own checkpoint
-    if it has one (so that the same command starts a run and, after a crash, continues it)."""
-    if cfg.resume != "auto":
-        return Path(cfg.resume) if cfg.resume else None
-    path = root / str(cfg.name) / "checkpoint.pt"
-    if not path.is_file():
-        log.info("resume=auto: no checkpoint at %s yet; starting run %r", path, cfg.name)
-        return None
-    return path
-
-
-def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: str) -> None:
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in ckpt.state_dict.items()}
-    if expected != got:
-        raise ConfigError(
-            f"resume={path}: the checkpoint's model does not match model={type(model).__name__} for this dataset"
-        )
 
 
 def send_and_receive(
@@ -117,204 +71,35 @@ def send_and_receive(
     return sorted(replies, key=lambda m: order.get(m.metadata.reply_to_message_id, len(order)))
 
 
-SIMULATION_SETTLE_S = 2.0  # Flower registers a simulation's nodes in one loop, right after the ServerApp starts
-
-
-def _wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, simulated: bool = False) -> list[int]:
-    """The connected nodes once `minimum` are there; a clear error after `timeout_s`.
-
-    A simulation's size is fixed when it starts (num-supernodes): Flower registers all of its
-    nodes in one loop just after starting the ServerApp's thread, so once the count has stood
-    still for SIMULATION_SETTLE_S below `minimum`, waiting cannot help and the run is refused
-    at once. A deployment's nodes may still be starting: it waits, saying for how long."""
-    start = time.monotonic()
-    deadline, next_log = start + timeout_s, start
-    seen, since = -1, start
-    while len(nodes := list(grid.get_node_ids())) < minimum:
-        now = time.monotonic()
-        if len(nodes) != seen:
-            seen, since = len(nodes), now
-        if simulated and nodes and now - since >= SIMULATION_SETTLE_S:
-            raise ConfigError(
-                f"federation.min_available_nodes={minimum}, but this simulation has {len(nodes)} SuperNode(s): "
-                f'raise num-supernodes (flwr run . --federation-config "num-supernodes={minimum}") or lower '
-                "federation.min_available_nodes (and federation.min_train_nodes)"
-            )
-        if now >= deadline:
-            raise ConfigError(
-                f"federation.min_available_nodes={minimum}: only {len(nodes)} node(s) connected after "
-                f"{timeout_s:.0f} s; start more SuperNodes (or num-supernodes in simulation), lower "
-                "federation.min_available_nodes, or raise federation.node_wait_timeout_s"
-            )
-        if now >= next_log and not (simulated and nodes):
-            log.info(
-                "waiting up to %.0f s more (federation.node_wait_timeout_s) for nodes: %d connected, "
-                "%d needed (federation.min_available_nodes)",
-                deadline - now,
-                len(nodes),
-                minimum,
-            )
-            next_log = now + 10.0
-        time.sleep(0.25 if simulated else 0.5)
-    return nodes
-
-
-def runs_simulated_nodes(grid: Grid) -> bool:
-    """Whether `grid`'s nodes are simulated, each given its partition-id by the simulation
-    itself: Flower's (`flwr run` on a simulation SuperLink hands the ServerApp an InMemoryGrid)
-    or this process's (InProcessGrid). Anything else is a deployment. Flower's class is looked
-    up only if it is loaded already: a deployed ServerApp never imports Flower's SuperLink."""
-    in_memory = sys.modules.get("flwr.superlink.grid.inmemory_grid")
-    return isinstance(grid, InProcessGrid) or (in_memory is not None and isinstance(grid, in_memory.InMemoryGrid))
-
-
 class FederatedRun:
-    """One run: the global model, its strategy, central evaluation, results and checkpoints."""
+    """The loops over one assembled run (`app.run.assemble.Run`): the synchronous rounds or
+    FedBuff's versions, central evaluation, each step's records, the stopping rules."""
 
-    def __init__(self, grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> None:
+    def __init__(self, run: Run) -> None:
         self.started = time.time()
-        self.grid, self.cfg = grid, cfg
-        self.device = resolve_device(cfg.server_device)
-        self.precision = resolve_precision("off", self.device)
-        train_source, test_source = load_splits(cfg.dataset, cfg.seed)
-        spec = data_spec(train_source, test_source)
-        self.test_data = materialize(test_source)
-        self.task = Task.from_config(cfg.task, spec)  # the loss and metrics of central evaluation
-
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)  # for user code (a model factory may draw from it); strategies have their own
-        self.model = global_model(cfg, spec, model_inputs(self.test_data.x[:2], self.precision))
-        # The strategy aggregates the trainable tensors only (`self.arrays`); the frozen ones
-        # travel with every task (`strategy.frozen`) and are never aggregated.
-        self.trainable = trainable_keys(self.model, cfg.model.trainable)
-        self.arrays, self.frozen = self.split(self.model.state_dict())
-        self.strategy = build_strategy(cfg, self.device)
-        self.strategy.sampler.seed(cfg.seed)
-        self.strategy.frozen = self.frozen
-        self.strategy.round_wait_timeout_s = cfg.federation.round_wait_timeout_s
-        self.strategy.unpack = self.unpack = uplink_decoder(cfg.compression)
-        self.strategy.downlink = downlink_encoder(cfg.compression, cfg.seed)
-        self.first_round, self.elapsed_before = 1, 0.0
-        self.nodes = _wait_for_nodes(
-            grid, cfg.federation.min_available_nodes, cfg.federation.node_wait_timeout_s, runs_simulated_nodes(grid)
-        )
-        check_partitioning(len(train_source.labels), len(self.nodes), cfg.partition)
-        check_cohort(cfg, self.strategy, len(self.nodes))
-        # Simulated nodes report their partition and the first claim binds; a deployed node's claim
-        # binds nothing (strategies/partitions.py).
-        self.partitions = PartitionBinding(len(self.nodes), from_claims=runs_simulated_nodes(grid))
-        # Log lines name a simulated node by its bound partition, a deployed one by its node config's name.
-        self.strategy.names = NodeNames(self.partitions.partition_of)
-        log.info(
-            "partition claims: %s",
-            "the first binds (simulated nodes)"
-            if self.partitions.from_claims
-            else "ignored (a deployment: each node is capped at federation.max_examples_per_node)",
-        )
-        self.strategy.weight_cap = example_cap(cfg, train_source.labels, self.partitions)
-        self.clock: VirtualClockGrid | None = None
-        self.fleet: dict[str, Any] | None = None
-        if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
-            self.grid = self.clock = self.start_clock(fleet, train_source.labels)
-        run_state: dict[str, Any] = {}
-        if resume := checkpoint_to_resume(cfg, root):
-            ckpt = load_checkpoint(resume)
-            _check_compatible(ckpt, self.model, str(resume))
-            if ckpt.round >= cfg.federation.rounds:
-                raise ConfigError(
-                    f"resume={resume}: round {ckpt.round} already reached federation.rounds={cfg.federation.rounds}"
-                )
-            self.arrays, self.frozen = self.split(ckpt.state_dict)
-            self.strategy.frozen = self.frozen
-            self.strategy.load_state_dict(ckpt.strategy_state)
-            restore_rng(ckpt.rng, self.strategy.sampler)
-            self.first_round, self.elapsed_before = ckpt.round + 1, ckpt.wall_time_s
-            run_state = ckpt.run_state
-            if "local_dp_history" in run_state:  # a checkpoint from before HistoryLedger: histories only
-                run_state = {"local_dp": {"histories": run_state["local_dp_history"]}}
-            self.recorder = RunRecorder(resume.parent, resumed_after=ckpt.round, primary=self.task.primary)
-            if self.clock is not None and self.recorder.rows:  # tasks out at the crash are lost
-                self.clock.now = float(self.recorder.rows[-1].get("sim_time_s") or 0.0)
-            log.info("resuming %s after round %d", resume, ckpt.round)
-        else:
-            run_dir = new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name, reuse=cfg.resume == "auto")
-            self.recorder = RunRecorder(run_dir, primary=self.task.primary)
-        self.recorder.save_config(raw)
-        self.monitor = Monitor(self.task.names, cfg.monitoring.max_node_labels)
-        self.scores: RoundScores | None = None
-        if cfg.ledger.contribution != "none":
-            g = torch.Generator().manual_seed(cfg.seed)
-            idx = torch.randperm(len(self.test_data), generator=g)[: cfg.ledger.validation_examples]
-            held = Examples(self.test_data.x[idx], self.test_data.y[idx])
-            self.scores = RoundScores(cfg.ledger, lambda state: self.value_on(held, state), cfg.seed)
-        self.ledger: Ledger | None = None
-        if cfg.ledger.name == "on":
-            try:
-                key = load_signing_key(cfg.ledger.signing_key) if cfg.ledger.signing_key else None
-                self.ledger = Ledger(self.recorder.run_dir, key)  # a resumed run's chain must verify
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-            self.ledger.truncate_after(self.first_round - 1)  # steps past the checkpoint are re-run
-            self.model_digest = model_digest(self.full_state(self.arrays))
-            self.node_keys = NodeKeys(grid.get_nodes)
-        log.info("results: %s", self.recorder.run_dir)
-        self.strategy.summary()
-        log.info(
-            "%d nodes, %d train / %d test examples, model %s (%d parameters, %d trained), %s %d..%d",
-            len(self.nodes),
-            len(train_source.labels),
-            len(self.test_data),
-            model_key(cfg.model),
-            sum(p.numel() for p in self.model.parameters()),
-            sum(p.numel() for n, p in self.model.named_parameters() if n in self.trainable),
-            f"{self.strategy.unit}s",
-            self.first_round,
-            cfg.federation.rounds,
-        )
-        self.attacked = (
-            malicious_partitions(cfg.seed, len(self.nodes), cfg.attack.num_malicious)
-            if cfg.attack.name != "none"
-            else []
-        )
-        if self.attacked:
-            log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, self.attacked, cfg.attack.scale)
-        self.named_attackers: set[int] = set()  # malicious partitions whose node the log has named
-        # One live record: FedBuff copies it into every task (per-node additions: strategy.node_config).
-        self.client_config = ConfigRecord(
-            {
-                **to_client_record(cfg),
-                **spec_to_record(spec),
-                ROUNDS_KEY: cfg.federation.rounds,  # local DP plans its noise over all rounds
-            }
-        )
+        self.parts = run
+        self.cfg, self.strategy, self.privacy = run.cfg, run.strategy, run.privacy
+        self.recorder, self.monitor, self.ledger, self.scores = run.recorder, run.monitor, run.ledger, run.scores
+        self.clock, self.task = run.clock, run.task
         self.stop_reason = "rounds"
-        self.privacy = run_privacy(cfg, self.strategy, self.partitions, run_state)
-        self.privacy.names = self.strategy.names
-        if self.ledger is not None:
-            self.strategy.node_config = with_receipts(self.strategy.node_config, self.ledger)
-        dp = getattr(self.strategy, "dp", None)
-        if dp is not None and dp.delta >= 1 / len(self.nodes):
-            log.warning(
-                "privacy.delta=%g >= 1/population = 1/%d: a mechanism that leaks one whole client with "
-                "probability delta would satisfy this guarantee; use delta well below %.2g",
-                dp.delta,
-                len(self.nodes),
-                1 / len(self.nodes),
-            )
+        self.named_attackers: set[int] = set()  # malicious partitions whose node the log has named
+        # The ledger's last model hash: each entry chains the model before and after its step.
+        self.model_digest = model_digest(self.full_state(run.arrays)) if run.ledger is not None else ""
 
-    def split(self, state: dict[str, torch.Tensor]) -> tuple[ArrayRecord, ArrayRecord | None]:
-        """(the trainable tensors, the frozen ones or None when everything trains)."""
-        trainable = set(self.trainable)
-        frozen = {k: v for k, v in state.items() if k not in trainable}
-        return ArrayRecord({k: state[k] for k in self.trainable}), (ArrayRecord(frozen) if frozen else None)
+    @property
+    def arrays(self) -> ArrayRecord:
+        """The global model's trainable tensors."""
+        return self.parts.arrays
+
+    @arrays.setter
+    def arrays(self, arrays: ArrayRecord) -> None:
+        self.parts.arrays = arrays
 
     def full_state(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-        """The whole model: the strategy's trainable tensors and the frozen ones."""
-        frozen = self.frozen.to_torch_state_dict() if self.frozen is not None else {}
-        return {**frozen, **arrays.to_torch_state_dict()}
+        return self.parts.model.full_state(arrays)
 
     def elapsed(self) -> float:
-        return self.elapsed_before + time.time() - self.started
+        return self.parts.elapsed_before + time.time() - self.started
 
     def budget_spent(self) -> str:
         """The stop reason once federation.max_wall_time_s is spent, on the run's clock."""
@@ -325,49 +110,11 @@ class FederatedRun:
         """What federation.max_wall_time_s counts: simulated seconds on a virtual clock, else wall time."""
         return self.clock.now if self.clock is not None else self.elapsed()
 
-    def start_clock(self, fleet: FleetConfig, labels: Any) -> VirtualClockGrid:  # noqa: ANN401 - label array
-        """The virtual clock over the grid: each node's partition (asked once), its profile, and
-        the work each task means (its partition's training examples x epochs; evaluation: its
-        validation examples)."""
-        cfg = self.cfg
-        if not self.partitions.from_claims:
-            raise ConfigError(
-                f"fleet={fleet.name}: fleet profiles and stragglers simulate nodes under `flwr run` simulation; "
-                "this is a deployment, which runs in real time (fleet=none stragglers=none)"
-            )
-        partitions = discover_partitions(self.grid, self.nodes, cfg.federation.node_wait_timeout_s)
-        for node, partition in partitions.items():
-            if self.partitions.bind(node, partition) is None:
-                raise ConfigError(f"fleet: node {node} claims partition {partition} of {len(self.nodes)}")
-        profiles = fleet_profiles(fleet, len(self.nodes), cfg.seed)
-        sizes = partition_sizes(cfg, labels, len(self.nodes))
-
-        def work(partition: int, kind: str) -> float:
-            train, validation = sizes(partition)
-            return {MessageType.TRAIN: train * cfg.train.epochs, MessageType.EVALUATE: validation}.get(kind, 0)
-
-        log.info("fleet %s on a virtual clock: %s", fleet.name, describe(profiles))
-        self.fleet = {
-            **asdict(fleet),
-            "samples_per_s_per_partition": [p.samples_per_s for p in profiles],
-            "partition_of_node": {str(node): p for node, p in sorted(partitions.items(), key=lambda i: i[1])},
-        }
-        f = cfg.federation
-        needed = 1 if self.strategy.asynchronous else max(f.min_available_nodes, f.min_train_nodes)
-        return VirtualClockGrid(self.grid, profiles, partitions, work, cfg.seed, min_nodes=needed)
-
     def central_eval(self, arrays: ArrayRecord) -> tuple[float, dict[str, float]]:
         """(loss, {metric: value}) of the model on the server's test split."""
-        self.model.load_state_dict(self.full_state(arrays))
-        return evaluate(self.model.to(self.device), self.test_data, self.precision, self.task)
-
-    def value_on(self, data: Examples, state: dict[str, torch.Tensor]) -> float:
-        """What the trainable tensors `state` (with the frozen ones) are worth on `data`: minus the
-        loss, or the primary metric (`ledger.contribution_value`); higher is better either way."""
-        frozen = self.frozen.to_torch_state_dict() if self.frozen is not None else {}
-        self.model.load_state_dict({**frozen, **state})
-        loss, metrics = evaluate(self.model.to(self.device), data, self.precision, self.task)
-        return -loss if self.cfg.ledger.contribution_value == "loss" else metrics[self.task.primary]
+        run = self.parts
+        run.model.module.load_state_dict(self.full_state(arrays))
+        return evaluate(run.model.module.to(run.device), run.test_data, run.precision, self.task)
 
     def record_scores(self, nodes: list[dict], scores: dict[int, float]) -> None:
         """Put the step's contribution scores into its ledger records, the totals into the metrics."""
@@ -442,7 +189,7 @@ class FederatedRun:
             log.info("[%s %d] privacy: %s", self.strategy.unit, rnd, described)
         state = self.full_state(self.arrays)  # hashed for the ledger and checkpointed: built once
         if self.ledger is not None:  # before the checkpoint: a resume drops entries past it
-            self.node_keys.name(nodes)
+            self.parts.node_keys.name(nodes)
             before, self.model_digest = self.model_digest, model_digest(state)
             entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
             self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
@@ -450,17 +197,16 @@ class FederatedRun:
         self.save_state(rnd, row["wall_time_s"], state)
         recorded = reported(row, self.cfg.privacy)
         self.recorder.log_round(recorded)
-        exact = self.cfg.privacy.name == "none" or self.cfg.privacy.report_exact
-        self.monitor.observe(recorded, client_metrics if exact else [])
+        self.monitor.observe(recorded, client_metrics if self.privacy.exact_per_node else [])
 
     def name_attackers(self) -> None:
         """Which nodes hold the malicious partitions, once their first claims have bound them
         (simulation; a deployment binds none), each named once."""
-        holders = {p: self.partitions.holder(p) for p in self.attacked if p not in self.named_attackers}
+        holders = {p: self.parts.partitions.holder(p) for p in self.parts.attacked if p not in self.named_attackers}
         found = {p: node for p, node in holders.items() if node is not None}
         if found:
             self.named_attackers |= found.keys()
-            log.info("attack %s: malicious nodes %s", self.cfg.attack.name, labels(found.values(), self.strategy.names))
+            log.info("attack %s: malicious nodes %s", self.cfg.attack.name, labels(found.values(), self.parts.names))
 
     @staticmethod
     def cohort(row: dict[str, Any]) -> str:
@@ -495,15 +241,15 @@ class FederatedRun:
         seconds on a virtual clock, where a late reply is dropped as missing)."""
         if self.clock is not None:
             return self.clock.send_and_receive(messages, timeout=timeout)
-        return send_and_receive(self.grid, messages, timeout)
+        return send_and_receive(self.parts.grid, messages, timeout)
 
     def run_rounds(self) -> None:
-        strategy, grid, cfg = self.strategy, self.grid, self.cfg
+        strategy, grid, cfg = self.strategy, self.parts.grid, self.cfg
         timeout = cfg.federation.round_timeout_s
         federated_eval = cfg.federation.fraction_evaluate > 0
-        for rnd in range(self.first_round, cfg.federation.rounds + 1):
+        for rnd in range(self.parts.first_round, cfg.federation.rounds + 1):
             t0 = time.time()
-            config = ConfigRecord(self.client_config)
+            config = ConfigRecord(self.parts.client_config)
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
             replies = self.exchange(messages, timeout)
             previous = self.arrays
@@ -521,7 +267,7 @@ class FederatedRun:
             fed_eval: MetricRecord | None = None
             tasks = list(messages)
             if federated_eval:
-                eval_msgs = list(strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.client_config), grid))
+                eval_msgs = list(strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.parts.client_config), grid))
                 fed_eval = strategy.aggregate_evaluate(rnd, self.exchange(eval_msgs, timeout))
                 tasks += eval_msgs
             loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
@@ -540,7 +286,7 @@ class FederatedRun:
                 **traffic(
                     [payload_bytes(m.content) for m in tasks],
                     [payload_bytes(r.content) for r in replies if not r.has_error()],
-                    self.unpack.take() if self.unpack is not None else None,
+                    self.parts.unpack.take() if self.parts.unpack is not None else None,
                 ),
             }
             nodes = round_nodes(messages, replies, report, cfg.strategy.name)
@@ -577,7 +323,7 @@ class FederatedRun:
             row = {
                 **self.timed_row(v, metrics, loss, now - last),
                 **version_row(report, strategy.tasks_sent),
-                **traffic(report.bytes_down, report.bytes_up, self.unpack.take() if self.unpack is not None else None),
+                **traffic(report.bytes_down, report.bytes_up, self.parts.unpack.take() if self.parts.unpack is not None else None),
             }
             last = now
             nodes = version_nodes(report, cfg.strategy.buffer_aggregator)
@@ -604,11 +350,11 @@ class FederatedRun:
         clock = (lambda: self.clock.now) if self.clock is not None else time.monotonic
         deadline = clock() + budget - self.budget_time() if budget else None
         self.arrays = strategy.run(
-            self.grid,
+            self.parts.grid,
             self.arrays,
-            self.client_config,
+            self.parts.client_config,
             on_version,
-            first_version=self.first_round - 1,
+            first_version=self.parts.first_round - 1,
             deadline=deadline,
             drain=self.privacy.drain,
             clock=clock,
@@ -672,10 +418,10 @@ class FederatedRun:
                 "strategy": cfg.strategy.name,
                 "dataset": cfg.dataset.name,
                 "model": cfg.model.name,
-                "num_nodes": len(self.nodes),
+                "num_nodes": len(self.parts.nodes),
                 "stop_reason": self.stop_reason if status in ("completed", "stopped") else None,
-                "attack": {**asdict(cfg.attack), "malicious_partitions": self.attacked},
-                **({"fleet": self.fleet} if self.fleet is not None else {}),
+                "attack": {**asdict(cfg.attack), "malicious_partitions": self.parts.attacked},
+                **({"fleet": self.parts.fleet} if self.parts.fleet is not None else {}),
                 "privacy": self.privacy.summary(),
                 "final_model": str(self.recorder.final_model_path),
                 "checkpoint": str(self.recorder.checkpoint_path),
@@ -700,20 +446,6 @@ class FederatedRun:
                 self.recorder.run_dir,
             )
         return summary
-
-
-def with_receipts(prior: NodeConfig | None, ledger: Ledger) -> NodeConfig:
-    """The per-node task config (`strategy.node_config`, e.g. local DP's) plus the node's receipt:
-    the step and hash of the ledger entry that recorded its previous reply, and that reply's hash
-    as recorded (the node compares it with its own: docs/ledger.md#receipts)."""
-
-    def per_node(node: int, connected: Collection[int]) -> dict[str, Any]:
-        extra = {**(prior(node, connected) if prior is not None else {}), LEDGER_ON: True}
-        if (receipt := ledger.receipts.get(node)) is not None:
-            extra |= {RECEIPT_STEP: receipt[0], RECEIPT_HASH: receipt[1], RECEIPT_REPLY: receipt[2]}
-        return extra
-
-    return per_node
 
 
 def completed_run(cfg: Config, root: Path) -> dict[str, Any] | None:
@@ -743,4 +475,4 @@ def run_federation(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> dict
             root / str(cfg.name),
         )
         return summary
-    return FederatedRun(grid, cfg, raw, root).run()
+    return FederatedRun(assemble(grid, cfg, raw, root)).run()

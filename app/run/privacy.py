@@ -22,6 +22,7 @@ from strategies.central_dp import CentralDP
 from strategies.node_names import NodeNames, label
 from strategies.partitions import PartitionBinding
 from strategies.replies import InvalidReply, WeightCap
+from strategies.settings import NodeConfig
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -30,7 +31,15 @@ class NoPrivacy:
     """privacy=none: nothing to account, report or checkpoint."""
 
     drain = False  # FedBuff: leave tasks in flight at the stop (their replies spend nothing)
-    names: NodeNames | None = None  # how log lines name nodes: the strategy's (set by the run)
+    exact_per_node = True  # the live metrics may show each node's exact metrics (no DP on them)
+
+    def screening(self, cap: WeightCap | None) -> WeightCap | None:
+        """The strategy's weight cap, with this mode's checks of a training reply around it."""
+        return cap
+
+    def node_config(self) -> NodeConfig | None:
+        """Per-node keys of a training task (the strategy's `TaskWiring.node_config`); None: none."""
+        return None
 
     def record_spending(self, client_metrics: list[tuple[int, MetricRecord]]) -> None:
         """Note what the replies spent (nothing here)."""
@@ -60,6 +69,7 @@ class CentralPrivacy(NoPrivacy):
 
     def __init__(self, dp: CentralDP, report_exact: bool) -> None:
         self.dp, self.report_exact = dp, report_exact
+        self.exact_per_node = report_exact
 
     def spent_before_release(self, federated_eval: bool) -> bool:
         # Federated evaluation sends the release out before the round's checkpoint; a release
@@ -86,7 +96,7 @@ class LocalPrivacy(NoPrivacy):
     """Local DP-SGD: every client's accountant history under the server's name for it
     (app/privacy/); each training message carries only the history that can be its node's own.
 
-    With a `prescription` (app/run/factory.py:run_privacy) a history must also match what the
+    With a `prescription` (app/run/factory.py:_local_privacy) a history must also match what the
     server prescribed for the tasks it sent the node (`Prescription`): this object counts each
     node's training tasks (`prior` is asked once per training message) and what it accepted from
     it, and `screening` makes the strategy reject a training reply whose history it would refuse,
@@ -101,8 +111,11 @@ class LocalPrivacy(NoPrivacy):
         partitions: PartitionBinding,
         state: dict[str, Any] | None,
         prescription: Prescription | None = None,
+        names: NodeNames | None = None,
     ) -> None:
         self.cfg, self.partitions, self.prescription = cfg, partitions, prescription
+        self.names = names  # how log lines name nodes (the strategy's)
+        self.exact_per_node = cfg.report_exact
         self.ledger = HistoryLedger(cfg.delta, state, prescription)
         self.rejections: list[dict[str, Any]] = []  # refused histories since the last row
         self.examples: WeightCap | None = None  # the strategy's cap on a reply's examples (`screening`)
@@ -111,6 +124,9 @@ class LocalPrivacy(NoPrivacy):
         # node id -> (σ, q) pairs it extended, in accepted histories and in refused ones whose RDP was
         # computed: at most one per task sent, so a node can make the server compute one RDP per task
         self.pairs: Counter[int] = Counter()
+
+    def node_config(self) -> NodeConfig:
+        return self.prior
 
     def prior(self, node_id: int, connected: Collection[int]) -> dict[str, str]:
         """What a training message to `node_id` adds to its config (the strategy's node_config;

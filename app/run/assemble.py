@@ -1,0 +1,435 @@
+"""Every part of one run, built once, in one place, into one value (`Run`).
+
+The parts depend on each other in one order, written out in `assemble`: the data and the
+model; the connected nodes and who holds which partition; a checkpoint, if the run resumes,
+read before anything is built from it; the results directory and the ledger; privacy; the
+strategy, given all of that in its constructor; the virtual clock. `resume` then applies
+the checkpoint's state to the value. `app.run.federation` only runs the loops over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MessageType
+from flwr.serverapp import Grid
+from omegaconf import DictConfig
+
+from app.config.schema import Config, ConfigError, FleetConfig
+from app.ledger.chain import Ledger
+from app.ledger.nodes import NodeKeys
+from app.ledger.signing import load_signing_key
+from app.protocol import LEDGER_ON, RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP, ROUNDS_KEY, to_client_record
+from app.run.checkpoint import Checkpoint, load_checkpoint, restore_rng
+from app.run.contributions import RoundScores
+from app.run.factory import (
+    StrategyParts,
+    TimedUnpack,
+    build_strategy,
+    central_dp,
+    check_cohort,
+    downlink_encoder,
+    example_cap,
+    global_model,
+    partition_sizes,
+    run_privacy,
+    uplink_decoder,
+)
+from app.run.monitoring import Monitor
+from app.run.privacy import RunPrivacy
+from app.run.results import RunRecorder, new_run_dir
+from app.simulation.attacks import malicious_partitions
+from app.simulation.fleet import describe, fleet_of, fleet_profiles
+from app.simulation.local_grid import InProcessGrid
+from app.simulation.virtual_clock import VirtualClockGrid, discover_partitions
+from app.task.data import Examples, check_partitioning, data_spec, load_splits, materialize, spec_to_record
+from app.task.metrics import Task
+from app.task.models import model_key, trainable_keys
+from app.task.training import Precision, evaluate, model_inputs, resolve_device, resolve_precision
+from strategies.interface import ServerStrategy
+from strategies.node_names import NodeNames
+from strategies.partitions import PartitionBinding
+from strategies.settings import NodeConfig, ReplyLimits, TaskWiring
+
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
+SIMULATION_SETTLE_S = 2.0  # Flower registers a simulation's nodes in one loop, right after the ServerApp starts
+
+
+@dataclass
+class Model:
+    """The server's model, split into what the strategy aggregates (`trainable`) and what every
+    task carries unchanged (`frozen`, None when everything trains)."""
+
+    module: torch.nn.Module
+    trainable: list[str]
+    frozen: ArrayRecord | None = None
+
+    def split(self, state: dict[str, torch.Tensor]) -> ArrayRecord:
+        """The trainable tensors of `state`, keeping its other tensors as the frozen ones."""
+        trainable = set(self.trainable)
+        frozen = {k: v for k, v in state.items() if k not in trainable}
+        self.frozen = ArrayRecord(frozen) if frozen else None
+        return ArrayRecord({k: state[k] for k in self.trainable})
+
+    def full_state(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        """The whole model: the strategy's trainable tensors and the frozen ones."""
+        frozen = self.frozen.to_torch_state_dict() if self.frozen is not None else {}
+        return {**frozen, **arrays.to_torch_state_dict()}
+
+
+@dataclass
+class Run:
+    """One run's parts, as `assemble` built them; the loops change `arrays`, the clock and the
+    records, nothing else."""
+
+    cfg: Config
+    grid: Grid  # the virtual clock over the grid, when there is one
+    device: torch.device
+    precision: Precision
+    task: Task  # the loss and metrics of central evaluation
+    test_data: Examples
+    model: Model
+    arrays: ArrayRecord  # the global model's trainable tensors
+    nodes: list[int]
+    partitions: PartitionBinding
+    names: NodeNames
+    strategy: ServerStrategy
+    unpack: TimedUnpack | None
+    privacy: RunPrivacy
+    recorder: RunRecorder
+    monitor: Monitor
+    client_config: ConfigRecord  # one live record: FedBuff copies it into every task
+    ledger: Ledger | None = None
+    node_keys: NodeKeys | None = None
+    scores: RoundScores | None = None
+    clock: VirtualClockGrid | None = None
+    fleet: dict[str, Any] | None = None  # summary.json's fleet entry
+    attacked: list[int] = field(default_factory=list)  # malicious partitions
+    first_round: int = 1
+    elapsed_before: float = 0.0  # wall time of the runs this one resumes
+
+
+def checkpoint_to_resume(cfg: Config, root: Path) -> Path | None:
+    """The checkpoint `resume` names: a path, or with `auto` the named run's own checkpoint
+    if it has one (so that the same command starts a run and, after a crash, continues it)."""
+    if cfg.resume != "auto":
+        return Path(cfg.resume) if cfg.resume else None
+    path = root / str(cfg.name) / "checkpoint.pt"
+    if not path.is_file():
+        log.info("resume=auto: no checkpoint at %s yet; starting run %r", path, cfg.name)
+        return None
+    return path
+
+
+def _check_compatible(ckpt: Checkpoint, model: torch.nn.Module, path: Path, rounds: int) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in ckpt.state_dict.items()}
+    if expected != got:
+        raise ConfigError(
+            f"resume={path}: the checkpoint's model does not match model={type(model).__name__} for this dataset"
+        )
+    if ckpt.round >= rounds:
+        raise ConfigError(f"resume={path}: round {ckpt.round} already reached federation.rounds={rounds}")
+
+
+def wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, simulated: bool = False) -> list[int]:
+    """The connected nodes once `minimum` are there; a clear error after `timeout_s`.
+
+    A simulation's size is fixed when it starts (num-supernodes): Flower registers all of its
+    nodes in one loop just after starting the ServerApp's thread, so once the count has stood
+    still for SIMULATION_SETTLE_S below `minimum`, waiting cannot help and the run is refused
+    at once. A deployment's nodes may still be starting: it waits, saying for how long."""
+    start = time.monotonic()
+    deadline, next_log = start + timeout_s, start
+    seen, since = -1, start
+    while len(nodes := list(grid.get_node_ids())) < minimum:
+        now = time.monotonic()
+        if len(nodes) != seen:
+            seen, since = len(nodes), now
+        if simulated and nodes and now - since >= SIMULATION_SETTLE_S:
+            raise ConfigError(
+                f"federation.min_available_nodes={minimum}, but this simulation has {len(nodes)} SuperNode(s): "
+                f'raise num-supernodes (flwr run . --federation-config "num-supernodes={minimum}") or lower '
+                "federation.min_available_nodes (and federation.min_train_nodes)"
+            )
+        if now >= deadline:
+            raise ConfigError(
+                f"federation.min_available_nodes={minimum}: only {len(nodes)} node(s) connected after "
+                f"{timeout_s:.0f} s; start more SuperNodes (or num-supernodes in simulation), lower "
+                "federation.min_available_nodes, or raise federation.node_wait_timeout_s"
+            )
+        if now >= next_log and not (simulated and nodes):
+            log.info(
+                "waiting up to %.0f s more (federation.node_wait_timeout_s) for nodes: %d connected, "
+                "%d needed (federation.min_available_nodes)",
+                deadline - now,
+                len(nodes),
+                minimum,
+            )
+            next_log = now + 10.0
+        time.sleep(0.25 if simulated else 0.5)
+    return nodes
+
+
+def runs_simulated_nodes(grid: Grid) -> bool:
+    """Whether `grid`'s nodes are simulated, each given its partition-id by the simulation
+    itself: Flower's (`flwr run` on a simulation SuperLink hands the ServerApp an InMemoryGrid)
+    or this process's (InProcessGrid). Anything else is a deployment. Flower's class is looked
+    up only if it is loaded already: a deployed ServerApp never imports Flower's SuperLink."""
+    in_memory = sys.modules.get("flwr.superlink.grid.inmemory_grid")
+    return isinstance(grid, InProcessGrid) or (in_memory is not None and isinstance(grid, in_memory.InMemoryGrid))
+
+
+class Receipts:
+    """The ledger's receipt in every training task (ledger=on): the step and hash of the entry
+    that recorded the node's previous reply, and that reply's hash as recorded (the node compares
+    it with its own: docs/ledger.md#receipts).
+
+    Made before the ledger opens: the strategy, which sends the receipts, is built and its cohort
+    checked before the run creates any file, so that a refused configuration leaves nothing
+    behind; `assemble` hands the opened ledger over (`ledger`) before the first task."""
+
+    def __init__(self) -> None:
+        self.ledger: Ledger | None = None
+
+    def around(self, prior: NodeConfig | None) -> NodeConfig:
+        """The per-node task config `prior` (local DP's, if any) plus the node's receipt."""
+
+        def per_node(node: int, connected: Collection[int]) -> dict[str, Any]:
+            extra = {**(prior(node, connected) if prior is not None else {}), LEDGER_ON: True}
+            assert self.ledger is not None, "the ledger opens before the first task"
+            if (receipt := self.ledger.receipts.get(node)) is not None:
+                extra |= {RECEIPT_STEP: receipt[0], RECEIPT_HASH: receipt[1], RECEIPT_REPLY: receipt[2]}
+            return extra
+
+        return per_node
+
+
+def start_clock(
+    cfg: Config,
+    fleet: FleetConfig,
+    grid: Grid,
+    nodes: list[int],
+    partitions: PartitionBinding,
+    labels: np.ndarray,
+    asynchronous: bool,
+) -> tuple[VirtualClockGrid, dict[str, Any]]:
+    """The virtual clock over the grid (and summary.json's fleet entry): each node's partition
+    (asked once), its profile, and the work each task means (its partition's training examples
+    x epochs; evaluation: its validation examples)."""
+    if not partitions.from_claims:
+        raise ConfigError(
+            f"fleet={fleet.name}: fleet profiles and stragglers simulate nodes under `flwr run` simulation; "
+            "this is a deployment, which runs in real time (fleet=none stragglers=none)"
+        )
+    held = discover_partitions(grid, nodes, cfg.federation.node_wait_timeout_s)
+    for node, partition in held.items():
+        if partitions.bind(node, partition) is None:
+            raise ConfigError(f"fleet: node {node} claims partition {partition} of {len(nodes)}")
+    profiles = fleet_profiles(fleet, len(nodes), cfg.seed)
+    sizes = partition_sizes(cfg, labels, len(nodes))
+
+    def work(partition: int, kind: str) -> float:
+        train, validation = sizes(partition)
+        return {MessageType.TRAIN: train * cfg.train.epochs, MessageType.EVALUATE: validation}.get(kind, 0)
+
+    log.info("fleet %s on a virtual clock: %s", fleet.name, describe(profiles))
+    summary = {
+        **asdict(fleet),
+        "samples_per_s_per_partition": [p.samples_per_s for p in profiles],
+        "partition_of_node": {str(node): p for node, p in sorted(held.items(), key=lambda i: i[1])},
+    }
+    f = cfg.federation
+    needed = 1 if asynchronous else max(f.min_available_nodes, f.min_train_nodes)
+    return VirtualClockGrid(grid, profiles, held, work, cfg.seed, min_nodes=needed), summary
+
+
+def open_ledger(cfg: Config, recorder: RunRecorder, first_round: int) -> Ledger | None:
+    """The run's hash chain (ledger=on), cut back to the checkpoint a resumed run starts from."""
+    if cfg.ledger.name != "on":
+        return None
+    try:
+        key = load_signing_key(cfg.ledger.signing_key) if cfg.ledger.signing_key else None
+        ledger = Ledger(recorder.run_dir, key)  # a resumed run's chain must verify
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    ledger.truncate_after(first_round - 1)  # steps past the checkpoint are re-run
+    return ledger
+
+
+def contribution_scores(cfg: Config, test_data: Examples, value_on: Any) -> RoundScores | None:  # noqa: ANN401
+    """Per-node contribution scores (ledger.contribution), valued on a fixed sample of the test split."""
+    if cfg.ledger.contribution == "none":
+        return None
+    g = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randperm(len(test_data), generator=g)[: cfg.ledger.validation_examples]
+    held = Examples(test_data.x[idx], test_data.y[idx])
+    return RoundScores(cfg.ledger, lambda state: value_on(held, state), cfg.seed)
+
+
+def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
+    """Build every part of the run `cfg` describes, in the order they depend on each other, and
+    apply the checkpoint it resumes from (if any)."""
+    device = resolve_device(cfg.server_device)
+    precision = resolve_precision("off", device)
+    train_source, test_source = load_splits(cfg.dataset, cfg.seed)
+    spec = data_spec(train_source, test_source)
+    test_data = materialize(test_source)
+    task = Task.from_config(cfg.task, spec)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)  # for user code (a model factory may draw from it); strategies have their own
+    module = global_model(cfg, spec, model_inputs(test_data.x[:2], precision))
+    model = Model(module, trainable_keys(module, cfg.model.trainable))
+
+    simulated = runs_simulated_nodes(grid)
+    f = cfg.federation
+    nodes = wait_for_nodes(grid, f.min_available_nodes, f.node_wait_timeout_s, simulated)
+    check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
+    # Simulated nodes report their partition and the first claim binds; a deployed node's claim
+    # binds nothing (strategies/partitions.py). Log lines name a simulated node by its bound
+    # partition, a deployed one by its node config's name.
+    partitions = PartitionBinding(len(nodes), from_claims=simulated)
+    names = NodeNames(partitions.partition_of)
+    log.info(
+        "partition claims: %s",
+        "the first binds (simulated nodes)"
+        if partitions.from_claims
+        else "ignored (a deployment: each node is capped at federation.max_examples_per_node)",
+    )
+
+    ckpt_path = checkpoint_to_resume(cfg, root)
+    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
+    if ckpt is not None:
+        _check_compatible(ckpt, module, ckpt_path, f.rounds)
+    arrays = model.split(ckpt.state_dict if ckpt is not None else module.state_dict())
+    first_round = ckpt.round + 1 if ckpt is not None else 1
+
+    dp = central_dp(cfg)
+    privacy = run_privacy(cfg, dp, partitions, _run_state(ckpt), names)
+    node_config = privacy.node_config()
+    receipts = Receipts() if cfg.ledger.name == "on" else None
+    if receipts is not None:
+        node_config = receipts.around(node_config)
+    unpack = uplink_decoder(cfg.compression)
+    limits = ReplyLimits(
+        message_ttl_s=f.message_ttl_s,
+        weight_cap=privacy.screening(example_cap(cfg, train_source.labels, partitions)),
+        unpack=unpack,
+    )
+    wiring = TaskWiring(
+        frozen=model.frozen, downlink=downlink_encoder(cfg.compression, cfg.seed), node_config=node_config, names=names
+    )
+    strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring))
+    check_cohort(cfg, strategy, len(nodes))
+    clock, fleet_summary = None, None
+    if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
+        clock, fleet_summary = start_clock(
+            cfg, fleet, grid, nodes, partitions, train_source.labels, strategy.asynchronous
+        )
+
+    # Nothing above wrote a file: a refused configuration leaves no results directory behind.
+    if ckpt is not None and ckpt_path is not None:
+        recorder = RunRecorder(ckpt_path.parent, resumed_after=ckpt.round, primary=task.primary)
+    else:
+        run_dir = new_run_dir(root, cfg.name, cfg.strategy.name, cfg.dataset.name, reuse=cfg.resume == "auto")
+        recorder = RunRecorder(run_dir, primary=task.primary)
+    recorder.save_config(raw)
+    ledger = open_ledger(cfg, recorder, first_round)
+    if receipts is not None:
+        receipts.ledger = ledger
+
+    run = Run(
+        cfg=cfg,
+        grid=clock if clock is not None else grid,
+        device=device,
+        precision=precision,
+        task=task,
+        test_data=test_data,
+        model=model,
+        arrays=arrays,
+        nodes=nodes,
+        partitions=partitions,
+        names=names,
+        strategy=strategy,
+        unpack=unpack,
+        privacy=privacy,
+        recorder=recorder,
+        monitor=Monitor(task.names, cfg.monitoring.max_node_labels),
+        client_config=ConfigRecord(
+            {**to_client_record(cfg), **spec_to_record(spec), ROUNDS_KEY: f.rounds}  # local DP plans over all rounds
+        ),
+        ledger=ledger,
+        node_keys=NodeKeys(grid.get_nodes) if ledger is not None else None,
+        first_round=first_round,
+        clock=clock,
+        fleet=fleet_summary,
+    )
+    run.scores = contribution_scores(cfg, test_data, lambda data, state: value_on(run, data, state))
+    if cfg.attack.name != "none":
+        run.attacked = malicious_partitions(cfg.seed, len(nodes), cfg.attack.num_malicious)
+    if ckpt is not None:
+        resume(run, ckpt, ckpt_path)
+    log.info("results: %s", recorder.run_dir)
+    strategy.summary()
+    log.info(
+        "%d nodes, %d train / %d test examples, model %s (%d parameters, %d trained), %s %d..%d",
+        len(nodes),
+        len(train_source.labels),
+        len(test_data),
+        model_key(cfg.model),
+        sum(p.numel() for p in module.parameters()),
+        sum(p.numel() for n, p in module.named_parameters() if n in model.trainable),
+        f"{strategy.unit}s",
+        first_round,
+        f.rounds,
+    )
+    if run.attacked:
+        log.info("attack %s: malicious partitions %s (scale %s)", cfg.attack.name, run.attacked, cfg.attack.scale)
+    if dp is not None and dp.delta >= 1 / len(nodes):
+        log.warning(
+            "privacy.delta=%g >= 1/population = 1/%d: a mechanism that leaks one whole client with "
+            "probability delta would satisfy this guarantee; use delta well below %.2g",
+            dp.delta,
+            len(nodes),
+            1 / len(nodes),
+        )
+    return run
+
+
+def resume(run: Run, ckpt: Checkpoint, path: Path) -> None:
+    """Apply a checkpoint's state to a run assembled from it: the strategy's state, its sampler,
+    the rounds and wall time done, and the virtual clock's time (tasks out at the crash are lost)."""
+    run.strategy.load_state_dict(ckpt.strategy_state)
+    restore_rng(ckpt.rng, run.strategy.sampler)
+    run.elapsed_before = ckpt.wall_time_s
+    if run.clock is not None and run.recorder.rows:
+        run.clock.now = float(run.recorder.rows[-1].get("sim_time_s") or 0.0)
+    log.info("resuming %s after round %d", path, ckpt.round)
+
+
+def value_on(run: Run, data: Examples, state: dict[str, torch.Tensor]) -> float:
+    """What the trainable tensors `state` (with the frozen ones) are worth on `data`: minus the
+    loss, or the primary metric (`ledger.contribution_value`); higher is better either way."""
+    frozen = run.model.frozen.to_torch_state_dict() if run.model.frozen is not None else {}
+    run.model.module.load_state_dict({**frozen, **state})
+    loss, metrics = evaluate(run.model.module.to(run.device), data, run.precision, run.task)
+    return -loss if run.cfg.ledger.contribution_value == "loss" else metrics[run.task.primary]
+
+
+def _run_state(ckpt: Checkpoint | None) -> dict[str, Any]:
+    """The run's own checkpointed state (local DP's histories), in today's layout."""
+    if ckpt is None:
+        return {}
+    if "local_dp_history" in ckpt.run_state:  # a checkpoint from before HistoryLedger: histories only
+        return {"local_dp": {"histories": ckpt.run_state["local_dp_history"]}}
+    return ckpt.run_state
