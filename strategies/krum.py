@@ -24,12 +24,13 @@ by the Gram matrix and again by the mean of the selected.
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from typing import Any
 
 import torch
 
 from strategies.node_names import label
-from strategies.replies import Screened
+from strategies.replies import Screened, ValidReply
 from strategies.robust import RobustRule, RuleReport, RuleSettings, reject_where
 from strategies.robust_ops import (
     apply_update,
@@ -45,7 +46,63 @@ from strategies.tensor_ops import TensorDict, weighted_mean
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
-class MultiKrumRule(RobustRule):
+class KrumSelection(RobustRule):
+    """Rules that first keep the updates with the lowest Krum scores, then aggregate those:
+    Multi-Krum (a mean of m) and Bulyan (a coordinate-wise stage over n - 2f).
+
+    `combine` stages the replies once, rejects non-finite updates by the Gram diagonal (then
+    applies the too-few policy if too few are left), scores every update, keeps `kept(n)`,
+    fills the report and hands the kept ones to `combine_kept`.
+    """
+
+    finds_non_finite = True  # the Gram diagonal
+
+    @abstractmethod
+    def kept(self, n: int) -> int:
+        """How many of n valid updates the Krum stage keeps."""
+
+    @abstractmethod
+    def combine_kept(
+        self,
+        server_round: int,
+        current: TensorDict,
+        models: list[TensorDict],
+        bases: list[TensorDict],
+        kept: list[ValidReply],
+        screened: Screened,
+        report: RuleReport,
+    ) -> TensorDict | None:
+        """The new model from the kept updates (`models[i]` is `kept[i]`'s, staged)."""
+
+    def combine(
+        self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
+    ) -> TensorDict | None:
+        (current,), models, bases = stage_groups(self.device, [current], [r.arrays for r in screened.valid], bases)
+        gram = update_gram(models, bases, self.device)
+        finite = torch.isfinite(gram.diagonal()).tolist()
+        if not all(finite):
+            bad = [not ok for ok in finite]
+            bases = reject_where(screened, bases, bad, "non-finite values (NaN or Inf) in its update")
+            models = [m for m, ok in zip(models, finite, strict=True) if ok]
+            if (reason := self.too_few(len(bases))) is not None:
+                return self.apply_policy(server_round, current, screened, bases, reason, report, models)
+            keep = [i for i, ok in enumerate(finite) if ok]
+            gram = gram[keep][:, keep]
+        scores = krum_scores(squared_distances(gram), self.num_byzantine)
+        chosen = select_lowest(scores, self.kept(len(models)))
+        report.scores = {r.node_id: float(s) for r, s in zip(screened.valid, scores.tolist(), strict=True)}
+        report.excluded = [r.node_id for i, r in enumerate(screened.valid) if i not in chosen]
+        kept = [screened.valid[i] for i in chosen]
+        models, bases = [models[i] for i in chosen], [bases[i] for i in chosen]
+        return self.combine_kept(server_round, current, models, bases, kept, screened, report)
+
+    @staticmethod
+    def scored(nodes: list[int], screened: Screened, report: RuleReport) -> str:
+        """Nodes with their scores, for a log line."""
+        return "[" + ", ".join(f"{label(n, screened.names)}: {report.scores[n]:.4g}" for n in nodes) + "]"
+
+
+class MultiKrumRule(KrumSelection):
     """Multi-Krum's rule: the equal-weight mean of the m best-scored client updates.
 
     Parameters
@@ -57,7 +114,6 @@ class MultiKrumRule(RobustRule):
     """
 
     name = "MultiKrum"
-    finds_non_finite = True  # the Gram diagonal
 
     def __init__(
         self,
@@ -93,38 +149,27 @@ class MultiKrumRule(RobustRule):
             return f"strategy.num_selected={m} must be <= n - f = {n - f} (n={n} valid replies, f={f})"
         return None
 
-    def combine(
-        self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
+    def kept(self, n: int) -> int:
+        return self.num_selected
+
+    def combine_kept(
+        self,
+        server_round: int,
+        current: TensorDict,
+        models: list[TensorDict],
+        bases: list[TensorDict],
+        kept: list[ValidReply],
+        screened: Screened,
+        report: RuleReport,
     ) -> TensorDict | None:
-        (current,), models, bases = stage_groups(self.device, [current], [r.arrays for r in screened.valid], bases)
-        gram = update_gram(models, bases, self.device)
-        finite = torch.isfinite(gram.diagonal()).tolist()
-        if not all(finite):
-            bad = [not ok for ok in finite]
-            bases = reject_where(screened, bases, bad, "non-finite values (NaN or Inf) in its update")
-            models = [m for m, ok in zip(models, finite, strict=True) if ok]
-            if (reason := self.too_few(len(bases))) is not None:
-                return self.apply_policy(server_round, current, screened, bases, reason, report, models)
-            keep = [i for i, ok in enumerate(finite) if ok]
-            gram = gram[keep][:, keep]
-        scores = krum_scores(squared_distances(gram), self.num_byzantine)
-        chosen = select_lowest(scores, self.num_selected)
-        report.scores = {r.node_id: float(s) for r, s in zip(screened.valid, scores.tolist(), strict=True)}
-        report.excluded = [r.node_id for i, r in enumerate(screened.valid) if i not in chosen]
-        selected = [screened.valid[i] for i in chosen]
-
-        def scored(nodes: list[int]) -> str:
-            return "[" + ", ".join(f"{label(n, screened.names)}: {report.scores[n]:.4g}" for n in nodes) + "]"
-
         log.info(
             "round %d: %s selected %s, excluded %s (by score: the lowest are selected)",
             server_round,
             self.name,
-            scored([r.node_id for r in selected]),
-            scored(report.excluded),
+            self.scored([r.node_id for r in kept], screened, report),
+            self.scored(report.excluded, screened, report),
         )
-        models, bases = [models[i] for i in chosen], [bases[i] for i in chosen]
-        weights = [r.scale for r in selected]  # not r.weight: claimed counts must not undo the selection
+        weights = [r.scale for r in kept]  # not r.weight: claimed counts must not undo the selection
         if all(b is current for b in bases):  # staging maps one base object to one staged object
             # One base (a synchronous round): the mean of the selected models is
             # global + the mean of their updates, without forming the updates.

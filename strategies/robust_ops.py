@@ -45,12 +45,12 @@ def update_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.is_floating_point() else torch.float64
 
 
-def _blocks(numel: int, block: int) -> Iterator[tuple[int, int]]:
+def blocks(numel: int, block: int) -> Iterator[tuple[int, int]]:
     for start in range(0, numel, block):
         yield start, min(start + block, numel)
 
 
-def _block_elems(n: int, block_bytes: int) -> int:
+def block_elems(n: int, block_bytes: int) -> int:
     return max(1024, block_bytes // (4 * max(n, 1)))
 
 
@@ -119,7 +119,7 @@ def update_gram(
     keys = float_keys(models[0])
     if not keys:
         return gram
-    block = _block_elems(n, block_bytes)
+    block = block_elems(n, block_bytes)
     sizes = [models[0][k].numel() for k in keys]
     buf = _scratch(n, min(block, sum(sizes)), device)
     prod = torch.empty(n, n, dtype=torch.float32, device=device)
@@ -190,13 +190,13 @@ def coordinatewise(
     if trim is not None and not 0 <= 2 * trim < n:
         raise ValueError(f"trimming {trim} from each end of {n} values leaves nothing")
     models, bases = stage_groups(device, models, bases)
-    block = _block_elems(n, block_bytes)
+    block = block_elems(n, block_bytes)
     out: TensorDict = {}
     for key, ref in models[0].items():
         dtype = update_dtype(ref)
         result = torch.empty(ref.numel(), dtype=dtype, device=device)
         buf = torch.empty(n, min(block, ref.numel()), dtype=dtype, device=device)
-        for start, end in _blocks(ref.numel(), block):
+        for start, end in blocks(ref.numel(), block):
             b = fill_update_block(buf[:, : end - start], models, bases, key, start, end)
             ordered = b.sort(dim=0).values
             if trim is None:
