@@ -18,6 +18,7 @@ ROBUST_RULE_CLASSES = {
     "multikrum": "strategies.krum:MultiKrumRule",
     "median": "strategies.coordinatewise:MedianRule",
     "trimmed_mean": "strategies.coordinatewise:TrimmedMeanRule",
+    "bulyan": "strategies.bulyan:BulyanRule",
 }
 ROBUST_RULES = tuple(ROBUST_RULE_CLASSES)  # strategy.name, strategy.buffer_aggregator
 POLICIES = ("skip", "fallback")  # strategy.on_too_few
