@@ -243,7 +243,7 @@ def reply_arrays(
     cfg = job.settings.compression
     if cfg.name == "none" and cfg.downlink == "none":
         return ArrayRecord(state)  # with a downlink the update is sent (exactly): the server adds it to its fp32 model
-    from app.compression.wire import pack, residual_file  # imported here: most runs send the model as it is
+    from app.compression.packing import pack, residual_file  # imported here: most runs send the model as it is
 
     started = time.perf_counter()
     device = job.precision.device

@@ -25,7 +25,7 @@ from app.config.schema import (
     TaskConfig,
     TrainConfig,
 )
-from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports every wire key from here
+from strategies.keys import (  # noqa: F401 - re-exported: the ClientApp imports every wire key from here
     ARRAYS,
     CONFIG,
     FROZEN,
@@ -39,7 +39,7 @@ from strategies.wire import (  # noqa: F401 - re-exported: the ClientApp imports
 )
 
 # --- Record names and keys of the messages -------------------------------------------------
-# The ones the strategies read are defined in strategies/wire.py (the lowest layer); imported above.
+# The ones the strategies read are defined in strategies/keys.py (the lowest layer); imported above.
 # node_config of a SuperNode: a simulated partition (PARTITION_ID of NUM_PARTITIONS), or a deployed node's own data
 NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
@@ -59,7 +59,7 @@ RECEIPT_REPLY = "ledger-receipt-reply-sha256"
 # --- Reply metrics: the keys of a reply's MetricRecord (METRICS) ---------------------------------
 # Every key a ClientApp reply may carry. The server averages them into a row's `train` and
 # `federated_eval` sections (strategies/replies.py: weighted_metrics), so each is also a key there.
-# Any reply: NUM_EXAMPLES (the weight claim) and, on a simulated node, PARTITION_ID (strategies/wire.py).
+# Any reply: NUM_EXAMPLES (the weight claim) and, on a simulated node, PARTITION_ID (strategies/keys.py).
 # training (app/client_app.py: train_handler), from the TrainStats of the round
 TRAIN_LOSS = "train-loss"  # mean training loss
 TRAIN_ACCURACY = "train-accuracy"  # the task's training accuracy (app/task/metrics.py: task_accuracy)
@@ -195,6 +195,6 @@ def to_client_record(cfg: Config | ClientSettings) -> dict[str, Any]:
 
 # --- local DP (app.privacy): each client's accountant history crosses the wire both ways ----------
 
-PRIOR_KEY = "dp-prior-history"  # message config: JSON {history key: [[σ, q, steps], ...]} (HistoryLedger.prior)
+PRIOR_KEY = "dp-prior-history"  # message config: JSON {history key: [[σ, q, steps], ...]} (HistoryBook.prior)
 ROUNDS_KEY = "federation.rounds"  # message config: the rounds the server plans (needed by privacy.target_epsilon)
 # the reply's metrics of local DP: see "Reply metrics" above (DP_* and HISTORY_METRICS)

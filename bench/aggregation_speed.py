@@ -4,7 +4,7 @@ What it measures
     Replies: `--clients` (default 20) real Flower reply Messages, each with an
     ArrayRecord of Arrays and a MetricRecord holding `num-examples`, built as a
     ServerApp receives them (`Message(content, reply_to=instruction)`, cf.
-    app/simulation/replies.py::make_reply). The arrays have the shapes and dtypes of
+    app/simulation/messages.py::make_reply). The arrays have the shapes and dtypes of
     ResNet-18's state_dict (`app.task.models.build_model`, width 64, 3x32x32 inputs, 10
     classes: 122 arrays, 11.18 M values, 44.7 MB, including the int64
     `num_batches_tracked` buffers). The global model is one random state; each client
@@ -115,7 +115,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords  # noq
 
 from app.config.schema import ModelConfig  # noqa: E402
 from app.simulation.local_grid import act_as_server  # noqa: E402
-from app.simulation.replies import make_reply  # noqa: E402
+from app.simulation.messages import make_reply  # noqa: E402
 from app.task.data import DataSpec  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.task.training import resolve_device  # noqa: E402

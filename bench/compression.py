@@ -91,10 +91,10 @@ def resnet18_shaped_update(device: torch.device) -> dict[str, torch.Tensor]:
 
 def resnet18_bytes() -> dict[str, int]:
     """The bytes of one reply's arrays for ResNet-18 (10 classes) per mode, through the real
-    packing (`app/compression/wire.py`): sizes depend on shapes only, not on the data."""
+    packing (`app/compression/packing.py`): sizes depend on shapes only, not on the data."""
     from flwr.app import ArrayRecord, RecordDict
 
-    from app.compression.wire import pack
+    from app.compression.packing import pack
     from app.config.schema import CompressionConfig
 
     received = resnet18_shaped_update(torch.device("cpu"))

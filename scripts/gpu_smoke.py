@@ -77,7 +77,7 @@ from torch import nn  # noqa: E402
 from app.config.schema import ConfigError, DatasetConfig, ModelConfig, PrivacyConfig, TrainConfig  # noqa: E402
 from app.run.checkpoint import Checkpoint, capture_rng, load_checkpoint, restore_rng, save_checkpoint  # noqa: E402
 from app.simulation.local_grid import act_as_server  # noqa: E402
-from app.simulation.replies import make_reply  # noqa: E402
+from app.simulation.messages import make_reply  # noqa: E402
 from app.task.data import DataSpec, Examples, data_spec, load_splits, materialize  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.task.telemetry import GpuTelemetry, nvml_uuid  # noqa: E402
@@ -998,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown check(s) {unknown}; known: {', '.join(CHECKS)}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    act_as_server()  # replies are built outside a run (app/simulation/replies.py)
+    act_as_server()  # replies are built outside a run (app/simulation/messages.py)
     ctx = Ctx(device=device, sizes=sizes, out=args.out, quick=args.quick)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"machine": machine_info(device), "device": str(device), "quick": args.quick}

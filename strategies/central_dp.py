@@ -55,6 +55,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 from opacus.accountants import RDPAccountant
 
+from strategies.budget import PrivacyBudgetExhausted
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import BufferStep, FedBuff
 from strategies.node_names import labels
@@ -68,10 +69,6 @@ from strategies.tensor_ops import TensorDict, non_finite_keys
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 remove_opacus_root_handler()  # Opacus calls logging.basicConfig on import
-
-
-class PrivacyBudgetExhausted(RuntimeError):
-    """The next release would take ε past the budget; it was not made."""
 
 
 class NonFiniteRelease(RuntimeError):

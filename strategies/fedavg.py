@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from strategies.keys import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
 from strategies.node_wait import wait_for_nodes
 from strategies.replies import (
     ArraySpec,
@@ -49,7 +50,6 @@ from strategies.tensor_ops import (
     tensors_to_record,
     weighted_mean,
 )
-from strategies.wire import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

@@ -37,6 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.fedavg import RoundReport, task_content
+from strategies.keys import NUM_EXAMPLES, SERVER_ROUND, TASK
 from strategies.node_names import label
 from strategies.node_wait import TooFewNodes
 from strategies.replies import (
@@ -58,7 +59,6 @@ from strategies.robust_ops import apply_update, update_dtype, weighted_update_me
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import NON_FINITE_STEP, Part, TensorDict, finite_step, record_to_tensors, tensors_to_record
-from strategies.wire import NUM_EXAMPLES, SERVER_ROUND, TASK
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

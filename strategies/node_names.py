@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import RecordDict
 
+from strategies.keys import NAME, NODE
 from strategies.node_text import printable
-from strategies.wire import NAME, NODE
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 

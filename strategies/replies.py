@@ -23,10 +23,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+from strategies.keys import NUM_EXAMPLES, PARTITION_ID
 from strategies.node_names import NodeNames, label
 from strategies.node_text import is_plain, printable
 from strategies.tensor_ops import TensorDict, array_view, is_finite
-from strategies.wire import NUM_EXAMPLES, PARTITION_ID
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -42,7 +42,7 @@ HEADER_ALLOWANCE = 1024
 Unpack = Callable[[ArrayRecord, TensorDict], Mapping]
 """(a reply's compressed arrays, the model the node was sent) -> the node's model (a dict, or an
 `EncodedModel` that reads as one) in the global model's keys, shapes and dtypes; raises ValueError
-when the payload is malformed. Set by the app for a compressed uplink (app/compression/wire.py);
+when the payload is malformed. Set by the app for a compressed uplink (app/compression/packing.py);
 None: replies carry the model itself."""
 
 

@@ -1,7 +1,7 @@
 """Helpers shared by the tests (fixtures live in tests/conftest.py).
 
 Helpers that bench/ scripts need too live in the app: `app.tools.in_process.run_in_process`
-(a whole federation in this process), `app.simulation.replies.make_reply` (a reply as the
+(a whole federation in this process), `app.simulation.messages.make_reply` (a reply as the
 server receives it), `app.tools.processes` (free ports, the `flwr` CLI's JSON answers).
 """
 

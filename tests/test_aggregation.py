@@ -8,7 +8,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies.fedavg import FedAvg
 from strategies.replies import specs_of
 from strategies.settings import ReplyLimits, Sampling

@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import Bulyan as FlowerBulyan
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from app.simulation.local_grid import InProcessGrid
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies.bulyan import BulyanRule, mean_closest_to_median
 from strategies.replies import Screened, ValidReply
 from strategies.robust import RobustStrategy

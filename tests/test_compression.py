@@ -1,5 +1,5 @@
 """A compressed uplink end to end: the real ClientApp encodes, the server decodes before screening,
-and every strategy and privacy mode aggregates ordinary models (app/compression/wire.py)."""
+and every strategy and privacy mode aggregates ordinary models (app/compression/packing.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from flwr.common.serde import message_to_proto
 
 from app.client_app import app as client_app
 from app.compression.codecs import decode, encode, unbundle
-from app.compression.wire import PAYLOAD, RESIDUAL, pack, residual_file, unpack, update_of
+from app.compression.packing import PAYLOAD, RESIDUAL, pack, residual_file, unpack, update_of
 from app.config.compose import load_config
 from app.config.schema import CompressionConfig
 from app.run.results import read_rows

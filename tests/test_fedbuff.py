@@ -12,7 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from app.simulation.local_grid import InProcessGrid
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies.coordinatewise import MedianRule
 from strategies.fedbuff import FedBuff, InFlight, auto_buffer_size, server_step
 from strategies.krum import KrumRule

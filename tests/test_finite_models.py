@@ -26,11 +26,11 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from app.compression.wire import pack, unpack
+from app.compression.packing import pack, unpack
 from app.config.schema import CompressionConfig
 from app.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from app.simulation.local_grid import InProcessGrid
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies.central_dp import CentralDP, DPFedAvg, DPFedBuff, NonFiniteRelease
 from strategies.coordinatewise import MedianRule, TrimmedMeanRule
 from strategies.fedavg import FedAvg

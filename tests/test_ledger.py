@@ -14,7 +14,7 @@ import torch
 
 from app.ledger.__main__ import main as ledger_cli
 from app.ledger.chain import LEDGER_FILE, entry_hash, model_digest, read_entries
-from app.ledger.report import cumulative_contributions, node_totals
+from app.ledger.totals import cumulative_contributions, node_totals
 from app.ledger.verify import verify_run
 from app.tools.in_process import run_in_process
 

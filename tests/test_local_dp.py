@@ -23,9 +23,9 @@ from app.config.compose import load_config
 from app.config.schema import Config, ConfigError, DatasetConfig, ModelConfig, PrivacyConfig, TrainConfig
 from app.privacy.accounting import (
     EPSILON_TOLERANCE,
-    HistoryLedger,
+    HistoryBook,
     MalformedHistory,
-    PrivacyBudgetSpent,
+    PrivacyBudgetExhausted,
     affordable_steps,
     noise_for_target,
 )
@@ -113,7 +113,7 @@ def test_target_epsilon_is_spent_over_the_planned_rounds_and_not_beyond():
     assert first["dp-noise-multiplier"] == second["dp-noise-multiplier"] > 0  # one plan, one σ
     assert first["dp-epsilon"] < second["dp-epsilon"] <= 2.0
     assert second["dp-epsilon"] >= 2.0 - EPSILON_TOLERANCE
-    with pytest.raises(PrivacyBudgetSpent, match=r"privacy.target_epsilon=2.0: this node's ε is 1.99\d* after"):
+    with pytest.raises(PrivacyBudgetExhausted, match=r"privacy.target_epsilon=2.0: this node's ε is 1.99\d* after"):
         _train(cfg, context, 3, planned)
 
 
@@ -376,7 +376,7 @@ def test_a_forged_history_cannot_lower_another_nodes_epsilon_and_each_node_gets_
 
 
 def test_a_resumed_simulation_sends_unknown_nodes_only_unclaimed_partitions_histories():
-    ledger = HistoryLedger(
+    ledger = HistoryBook(
         1e-5,
         {
             "histories": {"partition-0": [[1.0, 0.1, 10]], "partition-1": [[1.0, 0.1, 20]], "node-7": [[1.0, 0.2, 5]]},
@@ -410,7 +410,7 @@ def test_a_resumed_simulation_sends_unknown_nodes_only_unclaimed_partitions_hist
     ],
 )
 def test_the_server_keeps_only_wellformed_monotone_extensions(reported, problem):
-    ledger = HistoryLedger(1e-5, {"histories": {"partition-0": [[1.0, 0.1, 10]]}})
+    ledger = HistoryBook(1e-5, {"histories": {"partition-0": [[1.0, 0.1, 10]]}})
     columns = list(zip(*reported, strict=True))
     metrics = {
         k: list(c) for k, c in zip(("dp-history-sigma", "dp-history-q", "dp-history-steps"), columns, strict=True)
@@ -448,7 +448,7 @@ def test_a_resume_with_more_rounds_keeps_the_accountants_epsilon_within_the_targ
     epsilon = _accountant_epsilon(_history(resumed), cfg.privacy.delta)
     assert 2.0 - EPSILON_TOLERANCE <= epsilon <= 2.0
     assert later[-1]["dp-epsilon"] == pytest.approx(epsilon, rel=1e-12)
-    with pytest.raises(PrivacyBudgetSpent, match="all it planned"):
+    with pytest.raises(PrivacyBudgetExhausted, match="all it planned"):
         _train(cfg, resumed, 9, {"federation.rounds": 8})
 
 

@@ -18,7 +18,7 @@ from app.config.schema import PrivacyConfig
 from app.privacy.accounting import (
     MAX_HISTORY_ENTRIES,
     Allowance,
-    HistoryLedger,
+    HistoryBook,
     MalformedHistory,
     Prescription,
     epsilon,
@@ -95,14 +95,14 @@ def _honest(partition: int, rounds: int = 1, sigma: float = 1.0) -> list[tuple[f
 
 def test_an_unaccountable_history_is_refused_not_raised_and_the_record_stays():
     """Before: [(1e-300, q, 1)] passed the checks (finite, > 0) and every later ε raised ZeroDivisionError."""
-    ledger = HistoryLedger(DELTA, {"histories": {"partition-0": [[1.0, 0.05, 10]]}})
+    ledger = HistoryBook(DELTA, {"histories": {"partition-0": [[1.0, 0.05, 10]]}})
     for sigma, q in [(POISON, 0.05), (1e200, 0.05)]:
         with pytest.raises(MalformedHistory, match="cannot be accounted"):
             ledger.record("partition-0", 1000, _columns([(1.0, 0.05, 10), (sigma, q, 1)]))
     assert ledger.histories["partition-0"] == [(1.0, 0.05, 10)]
     assert ledger.epsilons()["partition-0"] == _accountant_epsilon([(1.0, 0.05, 10)])
     # σ in the range a target_epsilon plan allows, ε still not computable: refused the same way
-    planned = HistoryLedger(DELTA, prescription=Prescription(0.0, 8.0, 32, 1, 10_000))
+    planned = HistoryBook(DELTA, prescription=Prescription(0.0, 8.0, 32, 1, 10_000))
     with pytest.raises(MalformedHistory, match="cannot be accounted: .*ZeroDivisionError"):
         planned.record("node-7", 7, _columns([(POISON, 32 / 400, 1)]), Allowance(400, tasks=1))
 
@@ -172,7 +172,7 @@ def test_a_checkpointed_poisoned_history_loads_with_the_entry_dropped_and_logged
         "owners": {"partition-0": 1000, "partition-1": 1001, "node-9": "x"},
     }
     with caplog.at_level(logging.WARNING, logger=LOG):
-        ledger = HistoryLedger(DELTA, state)
+        ledger = HistoryBook(DELTA, state)
     assert ledger.histories == {"partition-0": [(1.0, 0.05, 10)], "partition-1": [(1.0, 0.08, 6)]}
     assert ledger.owners == {"partition-0": 1000, "partition-1": 1001}
     assert "local-DP history of partition-0: entry [1e-300, 0.05, 1] dropped: " in caplog.text
@@ -299,7 +299,7 @@ def test_a_changed_history_costs_no_new_rdp_computation_and_unchanged_ones_nothi
     histories = {
         f"node-{i}": [(1.0 + j / 1000, 32 / (1000 + 13 * j + i), 10) for j in range(entries)] for i in range(nodes)
     }
-    ledger = HistoryLedger(DELTA)
+    ledger = HistoryBook(DELTA)
     for key, history in histories.items():
         ledger.record(key, int(key[5:]), _columns(history))
     first = ledger.epsilons()

@@ -16,7 +16,7 @@ from app.config.compose import load_config
 from app.protocol import NAME, NODE, to_client_record
 from app.run.federation import FederatedRun
 from app.run.results import read_rows
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from app.task.data import DataSpec, spec_to_record
 from app.tools.in_process import run_in_process
 from strategies.fedavg import FedAvg

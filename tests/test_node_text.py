@@ -13,7 +13,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from app.run.ledger_entries import round_nodes
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from app.tools.supervise import follow
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff, InFlight

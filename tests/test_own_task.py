@@ -23,8 +23,8 @@ from app.task.data import (
 from app.task.models import build_model, check_fits, load_init_weights, trainable_keys
 from app.task.user_code import call, locate
 from app.tools.in_process import run_in_process
+from strategies.keys import ARRAYS, FROZEN
 from strategies.replies import payload_bytes
-from strategies.wire import ARRAYS, FROZEN
 
 OWN = "tests.own_task"
 TABULAR = DataSpec((6,), 2)

@@ -10,7 +10,7 @@ from app.config.schema import Config
 from app.protocol import PARTITION_ID
 from app.run.factory import example_cap
 from app.simulation.local_grid import InProcessGrid
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies.fedavg import FedAvg
 from strategies.partitions import PartitionBinding
 from strategies.replies import InvalidReply, specs_of

@@ -7,7 +7,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 import strategies.replies as replies_module
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies import tensor_ops
 from strategies.fedavg import FedAvg
 from strategies.replies import MAX_WEIGHT, InvalidReply, screen_replies, specs_of, weighted_metrics

@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from app.simulation.local_grid import InProcessGrid
-from app.simulation.replies import make_reply
+from app.simulation.messages import make_reply
 from strategies.coordinatewise import MedianRule, TrimmedMeanRule
 from strategies.krum import KrumRule, MultiKrumRule
 from strategies.robust import RobustStrategy

@@ -33,7 +33,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from app.compression.codecs import MalformedPayload, bundle, decode, encode, unbundle
-from app.compression.wire import PAYLOAD
+from app.compression.packing import PAYLOAD
 from app.config.schema import CompressionConfig
 from app.protocol import DOWNLINK, DOWNLINK_BASE, DOWNLINK_ID
 

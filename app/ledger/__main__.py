@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.ledger.chain import LEDGER_FILE, read_entries, verify_chain
 from app.ledger.receipts import check_receipts, node_receipts, nodes_in, read_lines
-from app.ledger.report import write_report
+from app.ledger.totals import write_report
 from app.ledger.verify import verify_run
 
 

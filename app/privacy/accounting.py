@@ -10,7 +10,7 @@ cannot overspend.
 
 A node's Context dies with a restarted SuperNode and with the run (a resumed run is a new
 Flower run), so every reply also carries the history (`HISTORY_METRICS`, merged per (σ, q)).
-The server (`HistoryLedger`) files it under who the server knows the node is, never
+The server (`HistoryBook`) files it under who the server knows the node is, never
 under what the reply claims: the authenticated node id (deployment), or the partition
 the node is bound to (simulation, strategies/partitions.py: first claim binds). It keeps
 a history only if it is well-formed, a monotone extension of what it holds for that
@@ -46,6 +46,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 
 from app.config.schema import Config, ConfigError, PrivacyConfig
 from app.protocol import HISTORY_METRICS, PRIOR_KEY, ROUNDS_KEY
+from strategies.budget import PrivacyBudgetExhausted
 from strategies.opacus_logging import remove_opacus_root_handler
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -64,10 +65,6 @@ MAX_STEPS = 2**53
 ORDERS: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS)  # the RDP orders RDPAccountant.get_epsilon uses
 
 History = list[tuple[float, float, int]]
-
-
-class PrivacyBudgetSpent(RuntimeError):
-    """Another DP-SGD step would take this node's ε past privacy.target_epsilon (or its plan is done)."""
 
 
 class MalformedHistory(ValueError):
@@ -191,7 +188,7 @@ def plan_round(
     while it still fits the planned steps left (`federation.rounds` x this round's steps,
     minus those taken), otherwise it is re-planned over them from the whole history (a
     resume with more rounds); and the round takes only the steps that keep ε <= target.
-    Raises PrivacyBudgetSpent when not one more step fits.
+    Raises PrivacyBudgetExhausted when not one more step fits.
     """
     if privacy.target_epsilon <= 0:
         return privacy.noise_multiplier, round_steps
@@ -205,7 +202,7 @@ def plan_round(
     left = planned - sum(n for _, _, n in history)
     spent = f"this node's ε is {epsilon(history, delta):.4g} after {planned - left} DP-SGD steps"
     if left <= 0:
-        raise PrivacyBudgetSpent(
+        raise PrivacyBudgetExhausted(
             f"privacy.target_epsilon={target}: {spent}, all it planned ({ROUNDS_KEY}={record[ROUNDS_KEY]})"
         )
     last = history[-1] if history else None
@@ -217,10 +214,12 @@ def plan_round(
         except ConfigError as err:
             if not history:
                 raise
-            raise PrivacyBudgetSpent(f"privacy.target_epsilon={target}: {spent}; the rest cannot fund more") from err
+            raise PrivacyBudgetExhausted(
+                f"privacy.target_epsilon={target}: {spent}; the rest cannot fund more"
+            ) from err
     steps = affordable_steps(history, sigma, q, min(round_steps, left), target, delta)
     if steps == 0:
-        raise PrivacyBudgetSpent(f"privacy.target_epsilon={target}: {spent}; one more step would exceed it")
+        raise PrivacyBudgetExhausted(f"privacy.target_epsilon={target}: {spent}; one more step would exceed it")
     return sigma, steps
 
 
@@ -240,7 +239,7 @@ def check_history(entries: object) -> History:
     """The merged history, or MalformedHistory: anything but [σ, q, steps] entries with a finite
     σ > 0, 0 < q <= 1 and an integer 0 <= steps <= MAX_STEPS could not have come from DP-SGD (a
     negative step count would subtract ε), and more than MAX_HISTORY_ENTRIES pairs is a forgery or
-    a flood. Well-formed is not yet accountable: `HistoryLedger.check` also computes its ε and
+    a flood. Well-formed is not yet accountable: `HistoryBook.check` also computes its ε and
     holds it to what the server prescribed (`Prescription`)."""
     if not isinstance(entries, (list, tuple)):
         raise MalformedHistory(f"a history is a list of [σ, q, steps], not {type(entries).__name__}")
@@ -308,7 +307,7 @@ class Prescription:
 
     - σ: privacy.noise_multiplier, exactly; with privacy.target_epsilon σ is planned
       (`plan_round`): any σ in (0, MAX_NOISE_MULTIPLIER], and the history's ε may not exceed the
-      target (planning never takes a step past it; `HistoryLedger.check` computes ε);
+      target (planning never takes a step past it; `HistoryBook.check` computes ε);
     - q = min(1, batch_size / n) (`sample_rate`) for its n training examples, n a whole number
       no larger than the node's cap (`Allowance.examples`): so q >= batch_size / cap. In
       simulation the cap is its partition's training size as the server computes it, which is an
@@ -414,7 +413,7 @@ def history_from_metrics(metrics: Mapping) -> History:
     return check_history(list(zip(*columns, strict=True)))
 
 
-class HistoryLedger:
+class HistoryBook:
     """The server's record of every local-DP client's accountant history (see the module doc).
 
     Keys come from the server (`history_key` of the node's bound partition or its node id),

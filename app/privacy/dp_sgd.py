@@ -316,7 +316,7 @@ def train_private(
     Returns the usual TrainStats and the reply's DP metrics: `dp-epsilon` (cumulative over
     this node's rounds, at privacy.delta), `dp-noise-multiplier` (σ this round) and
     `dp-steps` (cumulative DP-SGD steps). With privacy.target_epsilon the round takes only
-    the steps that keep the accountant's ε within it (`plan_round`; PrivacyBudgetSpent when
+    the steps that keep the accountant's ε within it (`plan_round`; PrivacyBudgetExhausted when
     none fits). The accountant in `state` is updated once the round's steps are taken,
     before any reply is sent (a lost reply still counts: conservative).
     `seed`: see `DpSgdSteps`. `keys` (`history_key`s) name this node in the server's record

@@ -430,6 +430,6 @@ def _run_state(ckpt: Checkpoint | None) -> dict[str, Any]:
     """The run's own checkpointed state (local DP's histories), in today's layout."""
     if ckpt is None:
         return {}
-    if "local_dp_history" in ckpt.run_state:  # a checkpoint from before HistoryLedger: histories only
+    if "local_dp_history" in ckpt.run_state:  # a checkpoint from before HistoryBook: histories only
         return {"local_dp": {"histories": ckpt.run_state["local_dp_history"]}}
     return ckpt.run_state

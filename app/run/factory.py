@@ -15,7 +15,7 @@ import torch
 from flwr.app import ArrayRecord, MessageType, MetricRecord
 
 from app.compression.downlink import Downlink
-from app.compression.wire import NodeModel, unpack
+from app.compression.packing import NodeModel, unpack
 from app.config.registry import Registry
 from app.config.schema import PRIVACY, ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
 from app.privacy.accounting import Prescription

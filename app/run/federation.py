@@ -267,7 +267,9 @@ class FederatedRun:
             fed_eval: MetricRecord | None = None
             tasks = list(messages)
             if federated_eval:
-                eval_msgs = list(strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.parts.client_config), grid))
+                eval_msgs = list(
+                    strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.parts.client_config), grid)
+                )
                 fed_eval = strategy.aggregate_evaluate(rnd, self.exchange(eval_msgs, timeout))
                 tasks += eval_msgs
             loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
@@ -323,7 +325,11 @@ class FederatedRun:
             row = {
                 **self.timed_row(v, metrics, loss, now - last),
                 **version_row(report, strategy.tasks_sent),
-                **traffic(report.bytes_down, report.bytes_up, self.parts.unpack.take() if self.parts.unpack is not None else None),
+                **traffic(
+                    report.bytes_down,
+                    report.bytes_up,
+                    self.parts.unpack.take() if self.parts.unpack is not None else None,
+                ),
             }
             last = now
             nodes = version_nodes(report, cfg.strategy.buffer_aggregator)

@@ -16,7 +16,7 @@ from typing import Any
 from flwr.app import MessageType, MetricRecord
 
 from app.config.schema import PrivacyConfig
-from app.privacy.accounting import Allowance, HistoryLedger, MalformedHistory, Prescription, history_key
+from app.privacy.accounting import Allowance, HistoryBook, MalformedHistory, Prescription, history_key
 from app.protocol import PARTITION_ID
 from strategies.central_dp import CentralDP
 from strategies.node_names import NodeNames, label
@@ -116,7 +116,7 @@ class LocalPrivacy(NoPrivacy):
         self.cfg, self.partitions, self.prescription = cfg, partitions, prescription
         self.names = names  # how log lines name nodes (the strategy's)
         self.exact_per_node = cfg.report_exact
-        self.ledger = HistoryLedger(cfg.delta, state, prescription)
+        self.ledger = HistoryBook(cfg.delta, state, prescription)
         self.rejections: list[dict[str, Any]] = []  # refused histories since the last row
         self.examples: WeightCap | None = None  # the strategy's cap on a reply's examples (`screening`)
         self.tasks: Counter[int] = Counter()  # node id -> training tasks sent in this run

@@ -46,9 +46,9 @@ from flwr.serverapp import Grid
 
 from app.config.schema import ConfigError
 from app.simulation.fleet import NodeProfile
+from strategies.keys import PARTITION_ID
 from strategies.node_text import printable
 from strategies.replies import payload_bytes
-from strategies.wire import PARTITION_ID
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -289,7 +289,9 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
             records = [] if reply.has_error() else list(reply.content.metric_records.values())
             metrics = records[0] if records else MetricRecord()
             if PARTITION_ID not in metrics:
-                why = printable(reply.error.reason) if reply.has_error() else "it has no partition-id in its node config"
+                why = (
+                    printable(reply.error.reason) if reply.has_error() else "it has no partition-id in its node config"
+                )
                 raise ConfigError(
                     f"fleet: node {node} is not a simulated node ({why}); fleet profiles and stragglers "
                     "simulate nodes under `flwr run` simulation: a deployment runs in real time (fleet=none "

@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 from app.config.schema import BUILTIN_METRICS
-from app.ledger.report import run_ledger
+from app.ledger.totals import run_ledger
 from app.run.results import clock_s, read_rows, read_summary
 from app.run.tracking import flat_params, metric_names
 

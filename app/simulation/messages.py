@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 
-from strategies.wire import ARRAYS, METRICS
+from strategies.keys import ARRAYS, METRICS
 
 
 def make_reply(
