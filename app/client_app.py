@@ -146,6 +146,7 @@ class Job:
     received: dict[str, torch.Tensor]  # the global model's trainable tensors, as received
     sent_keys: list[str]  # the tensors the server aggregates (model.trainable): the only ones a reply carries
     cap: MemoryCap | None  # this client's share of a shared GPU (app/task/gpu_memory.py)
+    local_dp: bool  # privacy=local: DP-SGD, its own model variant, no exact statistics (decided once, here)
 
 
 def prepare_job(msg: Message, context: Context) -> Job:
@@ -158,7 +159,8 @@ def prepare_job(msg: Message, context: Context) -> Job:
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     freeze(model, settings.model.trainable)  # before Opacus's fix, as on the server
-    if settings.privacy.name == "local":
+    local_dp = settings.privacy.name == "local"
+    if local_dp:
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
@@ -169,7 +171,7 @@ def prepare_job(msg: Message, context: Context) -> Job:
     precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
     task = Task.from_config(settings.task, spec)
     model = prepare_model(model, precision)
-    return Job(record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap)
+    return Job(record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap, local_dp)
 
 
 def received_model(
@@ -364,7 +366,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
     cfg = replace(settings.train, batch_size=node_batch_size(job, context, train_data))
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
-        if settings.privacy.name == "local":
+        if job.local_dp:
             from app.privacy.accounting import history_key
             from app.privacy.dp_sgd import train_private
 
@@ -396,7 +398,7 @@ def train_handler(msg: Message, context: Context) -> Message:
         **telemetry.metrics(),
         **dp_metrics,
     }
-    if settings.privacy.name != "local" or settings.privacy.report_exact:
+    if not job.local_dp or settings.privacy.report_exact:
         # Local DP: exact statistics of the private batches, which no epsilon covers (docs/privacy.md).
         metrics |= dict(zip(TRAIN_METRICS, (stats.loss, stats.accuracy, stats.samples_per_s), strict=True))
     if stats.peak_gpu_mem_mb is not None:

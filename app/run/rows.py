@@ -11,7 +11,7 @@ from typing import Any
 
 from flwr.app import Message, MetricRecord
 
-from app.config.schema import ROW_COLUMNS, PrivacyConfig
+from app.config.schema import ROW_COLUMNS
 from app.protocol import PARTITION_ID
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
@@ -53,10 +53,11 @@ def check_columns(row: dict[str, Any], metric_names: Iterable[str]) -> None:
         )
 
 
-def reported(row: dict[str, Any], privacy: PrivacyConfig) -> dict[str, Any]:
-    """The row as recorded: with privacy on, without EXACT_ROW_KEYS unless privacy.report_exact
-    (the log keeps them: it is the operator's, who sees every reply anyway)."""
-    if privacy.name == "none" or privacy.report_exact:
+def reported(row: dict[str, Any], exact: bool) -> dict[str, Any]:
+    """The row as recorded: without EXACT_ROW_KEYS unless `exact` (no privacy, or
+    privacy.report_exact: the run's privacy object says, `exact_per_node`); the log keeps them:
+    it is the operator's, who sees every reply anyway."""
+    if exact:
         return row
     return {k: v for k, v in row.items() if k not in EXACT_ROW_KEYS}
 

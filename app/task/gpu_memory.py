@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from app.config.schema import ConfigError
+from app.protocol import GPU_MEM_CAP_MB, GPU_MEM_SHARE
 from app.task.telemetry import process_gpu_memory
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -37,7 +38,7 @@ class MemoryCap:
     limit_bytes: int  # what PyTorch's allocator may hold: the share less the memory outside it
 
     def metrics(self) -> dict[str, float]:
-        return {"gpu-mem-share": self.share, "gpu-mem-cap-mb": self.limit_bytes / 2**20}
+        return {GPU_MEM_SHARE: self.share, GPU_MEM_CAP_MB: self.limit_bytes / 2**20}
 
 
 def ray_gpu_share() -> float | None:
