@@ -1,44 +1,13 @@
-"""Central (client-level) differential privacy with honest accounting.
+"""Central (client-level) DP: the Gaussian mechanism of DP-FedAvg (McMahan et al. 2018,
+https://arxiv.org/abs/1710.06963) for FedAvg and FedBuff, adaptive clipping (Andrew et al. 2021,
+https://arxiv.org/abs/1905.03871) and Opacus RDP accounting (add or remove one client).
 
-The Gaussian mechanism of DP-FedAvg (McMahan et al. 2018, "Learning Differentially
-Private Recurrent Language Models", https://arxiv.org/abs/1710.06963): every client
-update Δᵢ (model − the model it trained from) is clipped to L2 norm ≤ C, the clipped
-updates are summed with equal weight, N(0, (z·C)²) noise is added to every coordinate
-of the sum, and the sum is divided by the expected cohort size m (public: it comes from
-the configuration and the population, never from who answered).
-
-Neighbouring relation and sensitivity. The accountant (Opacus's RDP accountant, the
-add-or-remove-one-client relation) charges one Gaussian step of multiplier z/s per
-release, s being the sensitivity of the sum in units of C:
-- s = 1 when the cohort is every connected node (`fraction_train` = 1) or a Poisson
-  sample (`poisson_sampling`): adding or removing one client adds or removes one
-  clipped update, whatever it sends;
-- s = 2 when the cohort is a fixed-size subset of a larger population (FedAvg's sample
-  with `fraction_train` < 1, and every FedBuff buffer, which takes the first K distinct
-  nodes to answer): one more client can take the place of another, so the sum moves by
-  up to 2C. Such runs are accounted with z/2 rather than refused.
-
-Sample counts are not used as weights: a client's weight would scale its influence
-on the sum, and it is a number the client itself reports, so the sensitivity bound C
-would no longer hold (a client claiming a huge count could dominate the release).
-
-Adaptive clipping (Andrew et al. 2021, "Differentially Private Learning with Adaptive
-Clipping", https://arxiv.org/abs/1905.03871): after each release the clip norm moves
-geometrically toward the `target_quantile` of the update norms. The estimate is the
-*centred* count Σ(bᵢ − ½), bᵢ = 1 when update i was not clipped, plus N(0, σ_b²), then
-b̃ = that / m + ½, as in the paper and TF Privacy's QuantileEstimatorQuery. One client
-moves the centred count by exactly ½, so the two Gaussians together are one Gaussian
-step of multiplier (z⁻² + (2σ_b)⁻²)^(−1/2) (the paper's Theorem 1), divided by s.
-
-Sampling rate: q = fraction when nodes are Poisson-sampled with that probability (each
-node independently, from `secrets.SystemRandom`: amplification by subsampling needs a
-cohort nobody can predict, so never the run's seeded `random`), q = 1 otherwise (a
-cohort chosen by the server claims no amplification). FedBuff's flushes are releases
-with q = 1.
-
-The noise generator is seeded from the operating system's CSPRNG, never from the run's
-seed: noise an attacker can reproduce protects nothing. A release whose result is not
-finite is never made (`NonFiniteRelease`), nor charged.
+The ε holds only if: each update is clipped to L2 ≤ C and weighted ≤ 1 (never by sample counts);
+the accountant charges z/s per release (adaptive: `combined_noise_multiplier`), s = 1 for all nodes
+or a Poisson cohort, s = 2 for a fixed-size cohort of a larger population (FedAvg's sample, every
+FedBuff buffer, one update per node); q < 1 only for a Poisson cohort drawn with `secrets.SystemRandom`;
+the noise is seeded from the OS's CSPRNG, never the run's seed; the divisor is the public expected
+cohort m, never the number of replies. Why, with the derivations: docs/privacy.md#central-client-level-dp
 """
 
 from __future__ import annotations

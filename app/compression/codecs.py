@@ -1,36 +1,13 @@
-"""Codecs for a model update on the uplink ("compressed uplink with error feedback").
+"""Codecs for a model update ("compressed uplink with error feedback"; the downlink's deltas use them
+too): `encode` / `decode` between an update (named tensors) and named parts of numpy dtypes, `bundle` /
+`unbundle` into one byte array, and error feedback. The parts per mode: docs/compression.md#the-payload-layout
 
-An update is a dict of named tensors: the trained model minus the version the node trained from.
-`encode` turns it into a flat dict of named tensors ("parts") of dtypes numpy supports, so that they
-travel in a Flower ArrayRecord; `decode` checks the parts against the reference model `like` (names,
-shapes, dtypes and device: the server always has the global model) and returns the dense update.
-Which parts a tensor has depends only on `like`, the mode and the settings (`_plan`, shared by both
-sides), so the decoder knows exactly what to expect and refuses anything else: the bytes come from
-untrusted nodes, and `decode` raises `MalformedPayload` (naming the part and the problem) for every
-payload that does not match, never another exception type. Values must be finite in every mode
-(`none` included) and representable in like's dtype, so a decoded update holds no NaN or inf.
-
-Part layout, for a tensor named `key` with n elements:
-
-- not floating point (integer buffers such as BatchNorm's `num_batches_tracked`, bool, complex),
-  in every mode: `key`, the tensor itself, exact.
-- floating point in mode `none`, or with n == 0 in any mode: `key`, the tensor itself; a float dtype
-  numpy lacks (bfloat16, float8) travels as its raw bits (an int16 / uint8 view of it).
-- `fp16`: `key`, float16 with like's shape, saturated at +-65504 (an inf would get the reply refused).
-- `bf16`: `key`, int16 with like's shape: the raw bits of the bfloat16 values (numpy has no bfloat16).
-- `int8`: `key/q`, int8 with like's shape, and `key/scale`, float32 of shape (C,) (one per output
-  channel, dim 0) when ndim >= 2 and n >= PER_CHANNEL_MIN_NUMEL, else (1,); value = q * scale.
-- `topk`: the k = `topk_count(n, ratio)` largest-magnitude entries. `key/val`: their values, float32
-  (k,), or with `quantize_values` int8 (k,) plus `key/scale` float32 (1,) (the int8 scheme over the k
-  values); and their positions in the flattened tensor, in increasing order, either as `key/idx`
-  (uint16 when n <= 65536, else int32; (k,), strictly increasing) or as `key/mask` (uint8,
-  (ceil(n/8),): bit i % 8 of byte i // 8, least significant bit first, as
-  `numpy.packbits(..., bitorder="little")`), whichever is smaller (the mask when ceil(n/8) is fewer
-  bytes than the index array).
-
-Every operation runs in torch on the update's device (the GPU when the node trains there), with no
-Python loop over elements; the parts are returned on that device (the caller moves them to the CPU
-for the ArrayRecord). `decode` moves the parts to like's device and returns like's dtypes there.
+Which parts a tensor has depends only on the reference model `like`, the mode and the settings
+(`_plan`, shared by both sides). The bytes come from untrusted nodes: `decode` raises `MalformedPayload`
+(naming the part and the problem) for every payload that does not match, never another exception type,
+and values must be finite and representable in like's dtype in every mode (`none` included), so a
+decoded update holds no NaN or inf. Everything runs in torch on the update's device, with no Python
+loop over elements.
 """
 
 from __future__ import annotations
@@ -282,7 +259,7 @@ def encode(
     quantize_values: bool = False,
     generator: torch.Generator | None = None,
 ) -> Update:
-    """The parts for `update` in `mode` (layout: the module docstring), on the update's device.
+    """The parts for `update` in `mode` (layout: docs/compression.md#the-payload-layout), on its device.
 
     `ratio` (topk) and `quantize_values` (topk: int8 values) must be the ones `decode` is given.
     `generator` drives int8's stochastic rounding (on the update's device; None: torch's default):

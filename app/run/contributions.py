@@ -1,43 +1,12 @@
 """Contribution scores of one synchronous round or FedBuff version (`ledger.contribution`): each
-node's leave-one-out or Shapley value for the server's validation metric, from the updates the
-step had (app/ledger/contribution.py has the game theory; this module builds the game).
-
-What a node is credited for (the assumptions, in the order they are applied):
-
-1. **The released step, with the run's own weights.** Node j's update Δ_j is its model minus
-   the model it trained from, and it enters the step with the share the aggregation gave it
-   (`step_shares`): under a mean, s_j = w_j / W, its capped weight over the step's total
-   (FedBuff: times `server_lr`, with the staleness factor in w_j); under a robust rule, which
-   ignores claimed counts, the replies it kept count alike (FedBuff: by their staleness factor)
-   and the ones it excluded not at all, so a claim buys no share there. Shares are *not* renormalised per coalition: a coalition's model is
-   the model before the step plus its members' parts of the released step, so the grand
-   coalition is the step the run released and a node that adds nothing is a null player
-   (exactly 0 under both methods), not a weight that dilutes or sharpens the others.
-2. **Magnitude is not merit.** Every update is credited up to the median update norm of the
-   step (norm bounding, as Sun et al. 2019, "Can You Really Backdoor Federated Learning?"): a
-   node cannot buy credit by scaling its update (or a copy of anything) up.
-3. **Public information earns nothing.** A replay of the last global steps (w_t + a (w_t -
-   w_{t-1}), the "delta weights" free-rider of Lin et al. 2019, "Free-riders in Federated
-   Learning: Attacks and Defenses"; the plain copy of the global model of Fraboni et al. 2021,
-   "Free-rider Attacks on Model Aggregation in Federated Learning", is a = 0) is computable by
-   anyone who was sent the models. Each bounded update is split into its projection on the span
-   of the last public steps (the last global step; FedBuff: the last 1 + the buffer's greatest
-   staleness, at most PUBLIC_STEPS) and the rest, its private part.
-
-Each node thus brings two players to the game: its private part, and everything else its update
-did to the released step (the public component and the excess over the median: "unearned").
-Its score is the value of its private part plus the unearned part's value *only when that is
-negative*: a public direction or sheer size can cost a node (an update that undoes the last
-step, a boosted sign flip) but never earns it anything. A replay at any scale therefore scores
-at most 0, and exactly 0 when it helped; honest nodes are credited for what their data added
-beyond the last step (`tests/test_ledger.py`, free-riders; `tests/test_contribution.py`).
-Assumption: the public steps are the ones this process saw (after a resume the first step has
-none on record), and a node's private information is whatever is not in their span.
-
-The empty coalition is the model before the step. Under Krum and Multi-Krum the kept replies'
-equal-share mean is the step the rule released; the median and the trimmed mean are not sums of
-per-node parts, and their game is the equal-share mean of the kept replies, which the rule
-approximates (a skipped step scores nobody). Central DP is refused (app/config/validate.py).
+node's leave-one-out or Shapley value for the server's validation metric. This module builds the game
+(app/ledger/contribution.py solves it), after Sun et al. 2019 (norm bounding), Lin et al. 2019 and
+Fraboni et al. 2021 (free-riders). The game: a coalition's model is the model before the step plus its
+members' parts of the released step, with the aggregation's own shares (`step_shares`, never
+renormalised); each update is bounded at the step's median norm and split into its projection on the
+last public global steps (at most PUBLIC_STEPS) and its private part; a node scores its private part's
+value plus the rest's only where negative. Assumption: the public steps are the ones this process saw.
+Central DP is refused (app/config/validate.py). Why, and the robust rules: docs/ledger.md#contribution-scores
 """
 
 from __future__ import annotations
