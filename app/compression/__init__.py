@@ -1,2 +1,2 @@
 """Compressed uplink: the update codecs (`codecs.py`: pure torch) and a reply's packing and
-unpacking around them (`wire.py`), shared by the ClientApp and the server (docs/compression.md)."""
+unpacking around them (`packing.py`), shared by the ClientApp and the server (docs/compression.md)."""

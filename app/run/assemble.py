@@ -2,9 +2,10 @@
 
 The parts depend on each other in one order, written out in `assemble`: the data and the
 model; the connected nodes and who holds which partition; a checkpoint, if the run resumes,
-read before anything is built from it; the results directory and the ledger; privacy; the
-strategy, given all of that in its constructor; the virtual clock. `resume` then applies
-the checkpoint's state to the value. `app.run.federation` only runs the loops over it.
+read before anything is built from it; privacy; the strategy, given all of that in its
+constructor, and its cohort check; the virtual clock. Nothing is written until then: a
+refused configuration leaves no results directory. Then the results directory and the
+ledger; `resume` applies the checkpoint's state. `app.run.federation` only runs the loops.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def example_cap(cfg: Config, labels: np.ndarray, binding: PartitionBinding) -> W
 
 
 class TimedUnpack:
-    """`wire.unpack` for the strategy (an `Unpack`), timing itself: the server's cost of checking
+    """`packing.unpack` for the strategy (an `Unpack`), timing itself: the server's cost of checking
     and unpacking compressed replies, for the step's row (`take`). Building dense tensors from
     them, or FedAvg's adds into its mean, happens later and counts as aggregation."""
 
