@@ -437,3 +437,38 @@ def test_the_checks_catch_violations() -> None:
     assert "app.run.extra is not in the Modules table" in map_violations(text, [*MODULES, "app.run.extra"])
     assert "app.ledger.totals is not in the Modules table" in map_violations(edited("`totals.py`, ", ""), MODULES)
     assert missing_paths("see `app/run/gone.py` and app/nowhere/") == ["app/nowhere/", "app/run/gone.py"]
+
+
+def test_the_run_asks_a_strategy_only_what_its_protocols_declare():
+    """app/run/ reads a strategy (`strategy.x`, `self.strategy.x`, `run.strategy.x`) only through
+    the members strategies/interface.py declares: a new one must be declared there first."""
+    import inspect
+
+    from strategies import interface
+
+    declared: set[str] = set()
+    for protocol in (interface.ServerStrategy, interface.RoundStrategy, interface.BufferStrategy):
+        declared |= set(getattr(protocol, "__annotations__", {})) | {
+            name for name, _ in inspect.getmembers(protocol, inspect.isfunction)
+        }
+    used: dict[str, str] = {}
+    for path in sorted((ROOT / "app" / "run").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            named = isinstance(owner, ast.Name) and owner.id == "strategy"
+            attr = isinstance(owner, ast.Attribute) and owner.attr == "strategy"
+            if (named or attr) and not (isinstance(owner, ast.Attribute) and _is_cfg(owner)):
+                used.setdefault(node.attr, f"{path.name}:{node.lineno}")
+    undeclared = {k: v for k, v in used.items() if k not in declared}
+    assert not undeclared, f"app/run reads strategy members no Protocol declares: {undeclared}"
+    assert {"configure_train", "run", "state_dict"} <= used.keys()  # the scan sees the loops
+
+
+def _is_cfg(node: ast.Attribute) -> bool:
+    """`cfg.strategy` / `self.cfg.strategy`: the config section, not the strategy object."""
+    base = node.value
+    return (isinstance(base, ast.Name) and base.id in ("cfg", "config")) or (
+        isinstance(base, ast.Attribute) and base.attr == "cfg"
+    )
