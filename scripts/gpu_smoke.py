@@ -16,7 +16,7 @@ What it proves
                               fresh process is within 20% of the second
     channels_last             the layout `use_channels_last(.., "auto", ..)` picks is at most 10% slower
                               than the other, for the CNN (GroupNorm) and ResNet-18 (BatchNorm)
-    aggregation_cuda_vs_cpu   FedAvg / Krum / coordinate median on ResNet-18-shaped replies agree on CUDA
+    aggregation_cuda_vs_cpu   FedAvg / Krum / coordinate median / Bulyan on ResNet-18-shaped replies agree on CUDA
                               and CPU (with time and CUDA peak memory per method)
     threads_share_gpu         two threads training at once report no peak memory; a lone run does
     deterministic             train.deterministic=true: ResNet-18 and the CNN bit-identical twice
@@ -91,6 +91,7 @@ from app.task.training import (  # noqa: E402
     use_channels_last,
     with_layout,
 )
+from strategies.bulyan import BulyanRule  # noqa: E402
 from strategies.coordinatewise import MedianRule  # noqa: E402
 from strategies.fedavg import FedAvg, RoundReport  # noqa: E402
 from strategies.fedbuff import FedBuff, InFlight  # noqa: E402
@@ -542,7 +543,7 @@ def _aggregation_replies(n: int, outliers: set[int]) -> tuple[ArrayRecord, list]
 
 
 def check_aggregation_cuda_vs_cpu(ctx: Ctx, fig: dict[str, Any]) -> None:
-    """FedAvg, Krum (f=2) and the coordinate median give the same model on CUDA and on the CPU."""
+    """FedAvg, Krum (f=2), the coordinate median (f=2) and Bulyan (f=1: n >= 4f+3) give the same model on CUDA and on the CPU."""
     needs_gpu(ctx, "compares CUDA aggregation with the CPU's")
     n, outliers = ctx.sizes.replies, {2, 7}
     global_record, replies = _aggregation_replies(n, outliers)
@@ -551,6 +552,7 @@ def check_aggregation_cuda_vs_cpu(ctx: Ctx, fig: dict[str, Any]) -> None:
         "fedavg": lambda d: FedAvg(device=d),
         "krum": lambda d: RobustStrategy(rule=KrumRule(num_byzantine=2, device=d), device=d),
         "median": lambda d: RobustStrategy(rule=MedianRule(num_byzantine=2, device=d), device=d),
+        "bulyan": lambda d: RobustStrategy(rule=BulyanRule(num_byzantine=1, device=d), device=d),  # n >= 4f+3
     }
     out: dict[str, dict[str, TensorDict]] = {}
     picks: dict[str, list[int]] = {}

@@ -215,3 +215,29 @@ def test_fedbuff_buffer_aggregator_bulyan_sizes_its_buffer_to_the_rule():
     strategy = build_strategy(cfg, StrategyParts(torch.device("cpu"), None, ReplyLimits(), TaskWiring()))
     assert isinstance(strategy, FedBuff) and isinstance(strategy.buffer_rule, BulyanRule)
     assert strategy.size_buffer(8) == 7  # half of 8 is 4, below Bulyan's 4f + 3 = 7
+
+
+def test_equal_distances_to_the_median_go_to_the_lower_reply_index_on_every_device():
+    """Updates 3, -1, 1, -3: median 0, distances 3, 1, 1, 3; the third closest of four ties between
+    reply 0 (3) and reply 3 (-3). The lower index wins, whatever the device's sort does with ties
+    (CUDA's topk and the CPU's chose differently on an H200)."""
+    base = {"w": torch.zeros(1)}
+    models = [{"w": torch.tensor([v])} for v in (3.0, -1.0, 1.0, -3.0)]
+    out = mean_closest_to_median(models, [base] * 4, 3, torch.device("cpu"))
+    assert out["w"].item() == pytest.approx((3.0 - 1.0 + 1.0) / 3)
+    flipped = mean_closest_to_median(models[::-1], [base] * 4, 3, torch.device("cpu"))
+    assert flipped["w"].item() == pytest.approx((-3.0 + 1.0 - 1.0) / 3)  # now -3 has the lower index
+
+
+def test_ties_everywhere_are_broken_by_reply_index_as_a_stable_numpy_sort_does():
+    """Small integers make most coordinates tie somewhere: the result must be NumPy's with a
+    stable argsort (the lower reply index first), not whatever the sort kernel prefers."""
+    rng = np.random.default_rng(0)
+    values = rng.integers(-3, 4, size=(8, 1000)).astype(np.float32)
+    base = {"w": torch.zeros(1000)}
+    models = [{"w": torch.from_numpy(v)} for v in values]
+    out = mean_closest_to_median(models, [base] * 8, 5, torch.device("cpu"))["w"].numpy()
+    median = np.median(values, axis=0)
+    order = np.argsort(np.abs(values - median), axis=0, kind="stable")[:5]
+    expected = np.take_along_axis(values, order, axis=0).mean(axis=0)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6)
