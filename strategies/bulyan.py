@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from strategies.krum import KrumSelection
-from strategies.replies import Screened, ValidReply
+from strategies.krum import Kept, KrumSelection
+from strategies.replies import Screened
 from strategies.robust import RuleReport
 from strategies.robust_ops import (
     DEFAULT_BLOCK_BYTES,
@@ -113,24 +113,18 @@ class BulyanRule(KrumSelection):
     def kept(self, n: int) -> int:
         return n - 2 * self.num_byzantine
 
-    def combine_kept(
-        self,
-        server_round: int,
-        current: TensorDict,
-        models: list[TensorDict],
-        bases: list[TensorDict],
-        kept: list[ValidReply],
-        screened: Screened,
-        report: RuleReport,
-    ) -> TensorDict | None:
-        beta = len(kept) - 2 * self.num_byzantine
+    def combine_kept(self, server_round: int, kept: Kept, screened: Screened, report: RuleReport) -> TensorDict | None:
+        beta = len(kept.replies) - 2 * self.num_byzantine
         log.info(
             "round %d: %s kept %d updates by Krum score, excluded %s; per coordinate the mean of the %d "
             "closest to their median",
             server_round,
             self.name,
-            len(kept),
+            len(kept.replies),
             self.scored(report.excluded, screened, report),
             beta,
         )
-        return apply_update(current, mean_closest_to_median(models, bases, beta, self.device))
+        return apply_update(
+            kept.current,
+            mean_closest_to_median(kept.models, kept.bases, beta, self.device),
+        )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,17 @@ from strategies.tensor_ops import TensorDict, weighted_mean
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 
+@dataclass
+class Kept:
+    """What the Krum stage kept, staged on the aggregation device: `models[i]` is `replies[i]`'s
+    model, trained from `bases[i]`; `current` is the global model."""
+
+    current: TensorDict
+    models: list[TensorDict]
+    bases: list[TensorDict]
+    replies: list[ValidReply]
+
+
 class KrumSelection(RobustRule):
     """Rules that first keep the updates with the lowest Krum scores, then aggregate those:
     Multi-Krum (a mean of m) and Bulyan (a coordinate-wise stage over n - 2f).
@@ -62,20 +74,16 @@ class KrumSelection(RobustRule):
         """How many of n valid updates the Krum stage keeps."""
 
     @abstractmethod
-    def combine_kept(
+    def combine_kept(self, server_round: int, kept: Kept, screened: Screened, report: RuleReport) -> TensorDict | None:
+        """The new model from the kept updates."""
+
+    def combine(
         self,
         server_round: int,
         current: TensorDict,
-        models: list[TensorDict],
-        bases: list[TensorDict],
-        kept: list[ValidReply],
         screened: Screened,
+        bases: list[TensorDict],
         report: RuleReport,
-    ) -> TensorDict | None:
-        """The new model from the kept updates (`models[i]` is `kept[i]`'s, staged)."""
-
-    def combine(
-        self, server_round: int, current: TensorDict, screened: Screened, bases: list[TensorDict], report: RuleReport
     ) -> TensorDict | None:
         (current,), models, bases = stage_groups(self.device, [current], [r.arrays for r in screened.valid], bases)
         gram = update_gram(models, bases, self.device)
@@ -94,7 +102,7 @@ class KrumSelection(RobustRule):
         report.excluded = [r.node_id for i, r in enumerate(screened.valid) if i not in chosen]
         kept = [screened.valid[i] for i in chosen]
         models, bases = [models[i] for i in chosen], [bases[i] for i in chosen]
-        return self.combine_kept(server_round, current, models, bases, kept, screened, report)
+        return self.combine_kept(server_round, Kept(current, models, bases, kept), screened, report)
 
     @staticmethod
     def scored(nodes: list[int], screened: Screened, report: RuleReport) -> str:
@@ -131,7 +139,10 @@ class MultiKrumRule(KrumSelection):
     @classmethod
     def from_config(cls, st: RuleSettings, device: torch.device | str = "cpu") -> MultiKrumRule:
         return cls(
-            num_byzantine=st.num_byzantine, num_selected=st.num_selected, on_too_few=st.on_too_few, device=device
+            num_byzantine=st.num_byzantine,
+            num_selected=st.num_selected,
+            on_too_few=st.on_too_few,
+            device=device,
         )
 
     def summary(self) -> None:
@@ -152,29 +163,23 @@ class MultiKrumRule(KrumSelection):
     def kept(self, n: int) -> int:
         return self.num_selected
 
-    def combine_kept(
-        self,
-        server_round: int,
-        current: TensorDict,
-        models: list[TensorDict],
-        bases: list[TensorDict],
-        kept: list[ValidReply],
-        screened: Screened,
-        report: RuleReport,
-    ) -> TensorDict | None:
+    def combine_kept(self, server_round: int, kept: Kept, screened: Screened, report: RuleReport) -> TensorDict | None:
         log.info(
             "round %d: %s selected %s, excluded %s (by score: the lowest are selected)",
             server_round,
             self.name,
-            self.scored([r.node_id for r in kept], screened, report),
+            self.scored([r.node_id for r in kept.replies], screened, report),
             self.scored(report.excluded, screened, report),
         )
-        weights = [r.scale for r in kept]  # not r.weight: claimed counts must not undo the selection
-        if all(b is current for b in bases):  # staging maps one base object to one staged object
+        weights = [r.scale for r in kept.replies]  # not r.weight: claimed counts must not undo the selection
+        if all(b is kept.current for b in kept.bases):  # staging maps one base object to one staged object
             # One base (a synchronous round): the mean of the selected models is
             # global + the mean of their updates, without forming the updates.
-            return weighted_mean(models, weights, self.device)
-        return apply_update(current, weighted_update_mean(models, bases, weights, self.device))
+            return weighted_mean(kept.models, weights, self.device)
+        return apply_update(
+            kept.current,
+            weighted_update_mean(kept.models, kept.bases, weights, self.device),
+        )
 
 
 class KrumRule(MultiKrumRule):
@@ -188,8 +193,19 @@ class KrumRule(MultiKrumRule):
 
     name = "Krum"
 
-    def __init__(self, *, num_byzantine: int = 0, on_too_few: str = "skip", device: torch.device | str = "cpu") -> None:
-        super().__init__(num_byzantine=num_byzantine, num_selected=1, on_too_few=on_too_few, device=device)
+    def __init__(
+        self,
+        *,
+        num_byzantine: int = 0,
+        on_too_few: str = "skip",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(
+            num_byzantine=num_byzantine,
+            num_selected=1,
+            on_too_few=on_too_few,
+            device=device,
+        )
 
     @classmethod
     def from_config(cls, st: RuleSettings, device: torch.device | str = "cpu") -> KrumRule:
