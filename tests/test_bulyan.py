@@ -72,7 +72,8 @@ def bulyan_reference(updates: list[dict[str, np.ndarray]], f: int) -> tuple[dict
     return out, chosen
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+# Flower's Bulyan takes ~1.2 s a call (ours 0.01 s): the second seed runs with the slow tests.
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("f", "n"), [(2, 11), (1, 8)])  # theta = 7 (odd median), 6 (even median)
 def test_bulyan_matches_flower(seed, f, n):
     rng = np.random.default_rng(seed)
