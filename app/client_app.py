@@ -171,7 +171,9 @@ def prepare_job(msg: Message, context: Context) -> Job:
     precision = with_layout(resolve_precision(settings.train.amp, device), model, settings.train.channels_last, images)
     task = Task.from_config(settings.task, spec)
     model = prepare_model(model, precision)
-    return Job(record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap, local_dp)
+    return Job(
+        record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap, local_dp
+    )
 
 
 def received_model(
