@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.config.schema import ROW_COLUMNS, Config, ConfigError, LossConfig, TaskConfig, TrainConfig
+from app.config.schema import ROW_COLUMNS, Config, ConfigError, LossConfig, TaskConfig, TrainConfig, check_columns
 from app.config.validate import validate
 from app.run.results import RunRecorder
-from app.run.rows import EXACT_ROW_KEYS, check_columns
+from app.run.rows import EXACT_ROW_KEYS
 from app.task.data import DataSpec, Examples
 from app.task.metrics import DEFAULT_TASK, Task
 from app.task.training import Precision, evaluate, train

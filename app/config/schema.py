@@ -7,7 +7,7 @@ message (`app.protocol`) with these classes alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ AMP_MODES = ("auto", *AMP_PRECISIONS)
 # Every column a metrics.jsonl row can have besides the task's metrics (one per `task.metrics`
 # name): declared here, once, so that the validation refuses a metric named like one (it would be
 # overwritten when the row is put together) and the run refuses a row with an undeclared column
-# (app/run/rows.py:check_columns). Which step writes each: docs/configuration.md.
+# (check_columns, below). Which step writes each: docs/configuration.md.
 ROW_COLUMNS = (
     # every row (app/run/federation.py: timed_row)
     "round", "loss", "wall_time_s", "round_time_s", "sim_time_s",
@@ -53,6 +53,18 @@ ROW_COLUMNS = (
     "epsilon", "clip_norm", "releases", "noised_unclipped_fraction", "clipped_fraction",
     "client_epsilon_max", "client_epsilon_mean", "dp_history_rejected",
 )  # fmt: skip
+
+
+def check_columns(columns: Iterable[str], metric_names: Iterable[str] = ()) -> None:
+    """Refuse a metrics.jsonl column (a row's keys, or the columns a module reads) that is neither
+    a task metric nor declared in ROW_COLUMNS: the validation keeps metric names off the declared
+    columns, which holds only if the list is whole, and a renamed column must not silently drop
+    out of a reader (privacy's filter, the trackers, Prometheus)."""
+    undeclared = set(columns) - set(ROW_COLUMNS) - set(metric_names)
+    if undeclared:
+        raise RuntimeError(
+            f"metrics.jsonl columns {sorted(undeclared)} are not declared in app/config/schema.py ROW_COLUMNS"
+        )
 
 
 def metric_name(entry: Any) -> str:  # noqa: ANN401

@@ -22,13 +22,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from app.config.schema import Config, ConfigError
+from app.config.schema import Config, ConfigError, check_columns
 from app.ledger.chain import model_digest
 from app.run.assemble import Run, assemble
 from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
 from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
 from app.run.results import read_summary
-from app.run.rows import check_columns, reply_metrics, reported, round_row, traffic, version_row
+from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
 from app.task.training import evaluate
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport

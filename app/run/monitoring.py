@@ -24,7 +24,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from app.config.schema import ROW_COLUMNS
+from app.config.schema import check_columns
 from app.protocol import (
     GPU_MEM_USED_MAX_MB,
     GPU_POWER_MEAN_W,
@@ -73,8 +73,7 @@ NODE_GAUGES = {
 # The row columns read here (besides the task's metrics) are metrics.jsonl's, declared in
 # app/config/schema.py ROW_COLUMNS: a column renamed there must not leave a gauge silently unfed.
 ROUND_TIME, TRAIN_SECTION = "round_time_s", "train"
-if _undeclared := {*ROW_GAUGES, *ROW_COUNTERS, ROUND_TIME, TRAIN_SECTION} - set(ROW_COLUMNS):
-    raise RuntimeError(f"app/run/monitoring.py reads columns {sorted(_undeclared)} that ROW_COLUMNS does not declare")
+check_columns((*ROW_GAUGES, *ROW_COUNTERS, ROUND_TIME, TRAIN_SECTION))
 # Rounds last seconds to hours; the default buckets (5 ms .. 10 s) would put every round over 10 s in +Inf.
 ROUND_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, math.inf)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.config.schema import ROW_COLUMNS, metric_name
+from app.config.schema import check_columns, metric_name
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -37,8 +37,7 @@ ROW_SCALARS = (
 NESTED = ("train", "federated_eval")  # the clients' weighted metrics, logged as train/<key>
 # Both name metrics.jsonl columns, declared in app/config/schema.py ROW_COLUMNS: a column renamed
 # there must not silently drop out of the trackers.
-if _undeclared := {*ROW_SCALARS, *NESTED} - set(ROW_COLUMNS):
-    raise RuntimeError(f"app/run/tracking.py reads columns {sorted(_undeclared)} that ROW_COLUMNS does not declare")
+check_columns((*ROW_SCALARS, *NESTED))
 
 
 def scalars(row: dict[str, Any], metrics: Sequence[str] = ("accuracy",)) -> dict[str, float]:
