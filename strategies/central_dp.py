@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,6 +263,13 @@ class CentralDP:
         self.clip_norm = float(state["clip_norm"])
 
 
+def _taking(valid: Iterable[ValidReply], taken: list[ValidReply]) -> Iterator[ValidReply]:
+    """`valid` in turn, each appended to `taken` (small once a streamed reply's arrays are dropped)."""
+    for reply in valid:
+        taken.append(reply)
+        yield reply
+
+
 class DPFedAvg(FedAvg):
     """FedAvg whose aggregate is a central-DP release (see the module docstring).
 
@@ -366,18 +373,25 @@ class DPFedAvg(FedAvg):
         return messages
 
     def aggregate_models(self, server_round: int, screened: Screened) -> TensorDict | None:
-        # Called with no valid reply too: DP still releases (noise only).
-        # An update that overflows float32 is left out of the release and its reply rejected. The
-        # model after a release cannot be checked and redone like FedAvg's (`finite_step`): a second
-        # release would spend ε again. It is finite unless clip_norm / the cohort is absurd (every
-        # update moves it by at most C / m), so a non-finite one stops the run (NonFiniteRelease).
+        return self.fold_models(server_round, list(screened.valid), screened)
+
+    def fold_models(self, server_round: int, valid: Iterable[ValidReply], screened: Screened) -> TensorDict | None:
+        """Clip each update as it comes and add it to the release's sum (`CentralDP.release` reads
+        `valid` lazily), then noise once: gathered or streamed, one update at a time.
+
+        Called with no valid reply too: DP still releases (noise only).
+        An update that overflows float32 is left out of the release and its reply rejected. The
+        model after a release cannot be checked and redone like FedAvg's (`finite_step`): a second
+        release would spend ε again. It is finite unless clip_norm / the cohort is absurd (every
+        update moves it by at most C / m), so a non-finite one stops the run (NonFiniteRelease).
+        """
         keys = float_keys(self._global)
-        valid = list(screened.valid)
-        updates = ({k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in valid)
+        taken: list[ValidReply] = []  # release's index i is the i-th reply taken
+        updates = ({k: r.arrays[k].float() - self._global[k].float() for k in keys} for r in _taking(valid, taken))
         refused: list[int] = []
         noised_mean = self.dp.release(updates, self._global, self._expected_cohort, refused=refused)
         for i in refused:
-            reject(screened, valid[i], NON_FINITE_UPDATE)
+            reject(screened, taken[i], NON_FINITE_UPDATE)
         nodes = labels([r.node_id for r in screened.valid], self.wiring.names)
         return require_finite(
             apply_update(self._global, noised_mean), f"round {server_round}'s model (updates of {nodes})"

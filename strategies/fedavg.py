@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +33,15 @@ from strategies.replies import (
     Rejection,
     Screened,
     ValidReply,
+    records_of,
     reject,
+    screen_each,
     screen_replies,
     specs_of,
     weighted_metrics,
 )
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
+from strategies.streaming import MeanFold
 from strategies.tensor_ops import (
     NON_FINITE_STEP,
     Part,
@@ -93,6 +96,23 @@ def guarded_step(
     if new is None and dropped:
         log.warning("round %d: %s; keeping the previous global model", server_round, NON_FINITE_STEP)
     return new
+
+
+def _released(valid: Iterable[ValidReply]) -> Iterator[ValidReply]:
+    """Each reply in turn; once the caller has folded it, its arrays are dropped (the bytes they view
+    go with the Message), so a streamed round holds one reply at a time."""
+    for reply in valid:
+        yield reply
+        reply.arrays = {}
+
+
+def _capped(screened: Screened) -> list[dict[str, float]]:
+    """The valid replies whose claimed count was cut to the cap: node_id, claimed, weight."""
+    return [
+        {"node_id": r.node_id, "claimed": float(r.metrics[NUM_EXAMPLES]), "weight": r.weight}
+        for r in screened.valid
+        if r.weight < r.metrics[NUM_EXAMPLES]
+    ]
 
 
 def _destinations(messages: list[Message]) -> dict[str, int]:
@@ -332,32 +352,89 @@ class FedAvg(Strategy):
             )
         return out if all(is_finite(t) for t in out.values()) else None
 
+    def _settle_downlink(self, answered: set[int | None]) -> None:
+        """Tell the downlink which nodes' tasks are over and which of them replied (not an error)."""
+        if self.wiring.downlink is not None:
+            for node in _destinations(self._sent_train).values():
+                self.wiring.downlink.settle(node, node in answered)
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's model from its gathered replies (in send order: the run is then bit for bit
+        the same however the replies were timed)."""
         replies = list(replies)
-        if self.wiring.downlink is not None:
-            sent = _destinations(self._sent_train)
-            answered = {sent.get(r.metadata.reply_to_message_id) for r in replies if not r.has_error()}
-            for node in sent.values():
-                self.wiring.downlink.settle(node, node in answered)
+        sent = _destinations(self._sent_train)
+        self._settle_downlink({sent.get(r.metadata.reply_to_message_id) for r in replies if not r.has_error()})
         screened = screen_replies(
             replies,
             self._specs,
             check_finite=self.screen_finite,
-            sent=_destinations(self._sent_train),
+            sent=sent,
             weight_cap=self.limits.weight_cap,
             unpack=self.limits.unpack,
             base=self._global,
             names=self.wiring.names,
         )
+        capped = _capped(screened)  # before aggregating: a reply it rejects still had its claim cut
+        return self._finish_train(server_round, screened, self.aggregate_models(server_round, screened), capped)
+
+    # A strategy that folds replies as they arrive (`aggregate_stream`); a robust rule must see them all.
+    streams = True
+
+    def held_replies(self, num_nodes: int, streamed: bool) -> int:
+        """The most replies whose arrays a round holds at once: the cohort gathered, none streamed
+        (its accumulator is a constant number of model-sized tensors: `strategies/streaming.py`)."""
+        return 0 if streamed and self.streams else self.cohort_size(num_nodes)
+
+    def aggregate_stream(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's model from replies folded as they arrive (`replies` is read once, lazily):
+        each is screened on its own (NaN or Inf included), folded, and its arrays dropped before the
+        next is read; its Message keeps its metrics, not its arrays. Equal to `aggregate_train` to
+        float rounding (strategies/streaming.py)."""
+        sent = _destinations(self._sent_train)
+        answered: set[int | None] = set()
+
+        def arrived() -> Iterator[Message]:
+            for msg in replies:
+                if not msg.has_error():
+                    answered.add(sent.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
+                yield msg
+                if not msg.has_error():  # folded: its arrays go now, whoever still holds the Message
+                    for key in records_of(msg.content, ArrayRecord):
+                        del msg.content[key]
+                del msg  # not held while the next reply is fetched
+
+        screened = Screened(names=self.wiring.names)
+        valid = screen_each(
+            arrived(),
+            self._specs,
+            screened,
+            check_finite=True,
+            sent=sent,
+            weight_cap=self.limits.weight_cap,
+            unpack=self.limits.unpack,
+            base=self._global,
+        )
+        new = self.fold_models(server_round, _released(valid), screened)
+        self._settle_downlink(answered)
+        return self._finish_train(server_round, screened, new, _capped(screened))
+
+    def fold_models(self, server_round: int, valid: Iterable[ValidReply], screened: Screened) -> TensorDict | None:
+        """The new model from valid replies taken one at a time (`screened` fills as they come)."""
+        fold = MeanFold(self._global, self.device)
+        for reply in valid:
+            fold.add(reply.arrays, reply.weight)
+        return fold.result()
+
+    def _finish_train(
+        self, server_round: int, screened: Screened, new: TensorDict | None, capped: list[dict[str, float]]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's report, and the new model with the metrics of the replies it used."""
         report = self.train_report
-        report.capped = [
-            {"node_id": r.node_id, "claimed": float(r.metrics[NUM_EXAMPLES]), "weight": r.weight}
-            for r in screened.valid
-            if r.weight < r.metrics[NUM_EXAMPLES]
-        ]
-        new = self.aggregate_models(server_round, screened)
+        report.capped = capped
         report.rejected = screened.rejected
         report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
         self.last_valid = list(screened.valid)  # the round's valid replies, for contribution scores

@@ -294,6 +294,10 @@ class FedBuff(Strategy):
             f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={self.concurrency})"
         )
 
+    def held_replies(self, num_nodes: int, streamed: bool) -> int:
+        """The buffer: K replies, each with its own base (streaming does not apply: K is the choice)."""
+        return self.buffer_size
+
     def run_summary(self) -> dict[str, Any]:
         """Strategy-specific entries of summary.json."""
         return {

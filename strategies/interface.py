@@ -43,12 +43,17 @@ class ServerStrategy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take up a checkpoint's state (refusing another strategy's)."""
 
+    def held_replies(self, num_nodes: int, streamed: bool) -> int:
+        """The most replies whose arrays the strategy holds at once with `num_nodes` connected nodes,
+        streamed or gathered: what `federation.server_memory_gb` is checked against."""
+
 
 class RoundStrategy(ServerStrategy, Protocol):
     """A synchronous strategy: the run sends what `configure_*` returns and hands back the replies."""
 
     train_report: Any  # fedavg.RoundReport of the last aggregation
     last_valid: list[ValidReply]  # the last round's valid replies (contribution scores)
+    streams: bool  # whether `aggregate_stream` can fold replies as they arrive
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -57,6 +62,11 @@ class RoundStrategy(ServerStrategy, Protocol):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]: ...
+
+    def aggregate_stream(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """`aggregate_train` over replies read once, as they arrive, none kept (`streams` only)."""
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
@@ -144,10 +144,20 @@ def _only_record(records: dict, kind: str) -> object:  # noqa: ANN401
     return next(iter(records.values()))
 
 
+R = TypeVar("R", ArrayRecord, MetricRecord)
+
+
+def records_of(content: RecordDict, kind: type[R]) -> dict[str, R]:
+    """`content`'s records of one kind. Flower's `content.array_records` (and `metric_records`) builds a
+    view in a reference cycle, which keeps the reply's arrays alive until Python's cyclic collector
+    runs: a streamed round, which frees each reply as soon as it is folded, reads them through here."""
+    return {k: r for k, r in content.items() if isinstance(r, kind)}
+
+
 def payload_bytes(content: RecordDict) -> int:
     """The bytes of every array a message carries (serialised, .npy headers included): what
     crosses the link for the model, whatever the transport adds."""
-    return sum(len(a.data) for record in content.array_records.values() for a in record.values())
+    return sum(len(a.data) for record in records_of(content, ArrayRecord).values() for a in record.values())
 
 
 def arrays_digest(record: ArrayRecord) -> str:
@@ -258,7 +268,7 @@ def screen_reply(
     content = msg.content
     if names is not None:
         names.hear(node, content)
-    metrics = _only_record(content.metric_records, "MetricRecord")
+    metrics = _only_record(records_of(content, MetricRecord), "MetricRecord")
     for key in metrics:  # a metric's name becomes a column in metrics.jsonl, TensorBoard and MLflow
         if len(key) > MAX_METRIC_NAME or not is_plain(key):
             raise InvalidReply(
@@ -267,11 +277,54 @@ def screen_reply(
     kind = MessageType.TRAIN if specs is not None else MessageType.EVALUATE
     weight = capped_weight(reply_weight(metrics, weight_key), node, metrics, kind, weight_cap, names)
     arrays = (
-        check_arrays(_only_record(content.array_records, "ArrayRecord"), specs, check_finite, unpack, base)
+        check_arrays(_only_record(records_of(content, ArrayRecord), "ArrayRecord"), specs, check_finite, unpack, base)
         if specs is not None
         else {}
     )
     return ValidReply(node_id=node, weight=weight, metrics=metrics, arrays=arrays)
+
+
+def screen_each(
+    replies: Iterable[Message],
+    specs: dict[str, ArraySpec] | None,
+    out: Screened,
+    weight_key: str = NUM_EXAMPLES,
+    check_finite: bool = True,
+    sent: Mapping[str, int] | None = None,
+    weight_cap: WeightCap | None = None,
+    unpack: Unpack | None = None,
+    base: TensorDict | None = None,
+) -> Iterator[ValidReply]:
+    """Screen replies one at a time as they come: each valid one is added to `out.valid` and
+    yielded, each rejection logged into `out.rejected`. A streamed aggregate folds each yielded
+    reply before the next is read (`strategies/streaming.py`); `screen_replies` gathers them.
+
+    `sent` (message id -> destination node) names the node a reply is about: an error
+    the SuperLink answers for a vanished node (NODE_UNAVAILABLE) comes from the SuperLink's
+    own node id, not from the node the task was for. `out.names`: see screen_reply.
+    """
+    for msg in replies:
+        node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+        try:
+            reply = screen_reply(
+                msg,
+                specs,
+                weight_key,
+                check_finite,
+                node=node,
+                weight_cap=weight_cap,
+                unpack=unpack,
+                base=base,
+                names=out.names,
+            )
+        except InvalidReply as err:
+            out.rejected.append(Rejection(node, str(err)))
+            warn_rejected(node, str(err), out.names)
+            continue
+        finally:
+            del msg  # not held while the next reply is fetched
+        out.valid.append(reply)
+        yield reply
 
 
 def screen_replies(
@@ -285,31 +338,10 @@ def screen_replies(
     base: TensorDict | None = None,
     names: NodeNames | None = None,
 ) -> Screened:
-    """Split replies into valid ones and logged rejections.
-
-    `sent` (message id -> destination node) names the node a reply is about: an error
-    the SuperLink answers for a vanished node (NODE_UNAVAILABLE) comes from the SuperLink's
-    own node id, not from the node the task was for. `names`: see screen_reply.
-    """
+    """Split replies into valid ones and logged rejections (`screen_each`, all gathered)."""
     out = Screened(names=names)
-    for msg in replies:
-        node = (sent or {}).get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
-        try:
-            reply = screen_reply(
-                msg,
-                specs,
-                weight_key,
-                check_finite,
-                node=node,
-                weight_cap=weight_cap,
-                unpack=unpack,
-                base=base,
-                names=names,
-            )
-            out.valid.append(reply)
-        except InvalidReply as err:
-            out.rejected.append(Rejection(node, str(err)))
-            warn_rejected(node, str(err), names)
+    for _ in screen_each(replies, specs, out, weight_key, check_finite, sent, weight_cap, unpack, base):
+        pass
     return out
 
 

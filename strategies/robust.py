@@ -209,6 +209,10 @@ class RobustStrategy(FedAvg):
         self.rule = rule
         self.screen_finite = not rule.finds_non_finite
 
+    # A rule compares the replies with each other (distances, per-coordinate order), so it holds the
+    # whole cohort: `federation.server_memory_gb` bounds it before round 1 (docs/strategies.md).
+    streams = False
+
     @property
     def name(self) -> str:
         return self.rule.name

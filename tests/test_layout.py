@@ -86,6 +86,7 @@ SERVER_STRATEGIES = frozenset(
         "robust_ops",
         "settings",
         "staleness",
+        "streaming",
     )
 )
 MODULE_RULES: dict[str, frozenset[str]] = {

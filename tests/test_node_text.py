@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
+from app.run.arrivals import ReplyFacts
 from app.run.ledger_entries import round_nodes
 from app.simulation.messages import make_reply
 from app.tools.supervise import follow
@@ -83,7 +84,7 @@ def test_the_ledger_records_an_error_reason_escaped(model_arrays):
     task.metadata.__dict__["_message_id"] = "m3"
     reply = make_reply(3, None, None, error=FORGED)
     strategy.aggregate_train(1, [reply])
-    (record,) = round_nodes([task], [reply], strategy.train_report, "fedavg")
+    (record,) = round_nodes([task], [ReplyFacts.of(reply, digest=True)], strategy.train_report, "fedavg")
     assert record["outcome"].startswith("failed") and not _controls(record["outcome"])
 
 

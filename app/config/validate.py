@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.schema import (
+    AGGREGATIONS,
     AMP_MODES,
     ATTACKS,
     AVAILABILITY,
@@ -27,6 +28,7 @@ from app.config.schema import (
     PARTITIONS,
     PRIVACY,
     ROBUST_POLICIES,
+    ROBUST_RULES,
     ROW_COLUMNS,
     STRAGGLERS,
     STRATEGIES,
@@ -295,6 +297,24 @@ def validate(cfg: Config) -> Config:
         "federation.max_examples_per_node",
         f.max_examples_per_node,
         "must be an integer >= 1 (the most examples one node's reply may count for)",
+    )
+    if p.one_of("federation.aggregation", f.aggregation, AGGREGATIONS) and f.aggregation == "stream":
+        p.require(
+            cfg.strategy.name not in ROBUST_RULES,
+            "federation.aggregation",
+            f.aggregation,
+            f"strategy={cfg.strategy.name} compares every reply with the others, so it must gather them; use auto "
+            "or gather (federation.server_memory_gb caps what it holds)",
+        )
+        p.require(
+            cfg.ledger.contribution == "none",
+            "federation.aggregation",
+            f.aggregation,
+            f"ledger.contribution={cfg.ledger.contribution} scores every reply against the others, so the round "
+            "must gather them; use auto or gather",
+        )
+    p.require(
+        f.server_memory_gb >= 0, "federation.server_memory_gb", f.server_memory_gb, "must be >= 0 (0 = no cap)"
     )
     _validate_task(p, cfg)
 

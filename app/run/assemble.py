@@ -45,6 +45,7 @@ from app.run.factory import (
     run_privacy,
     uplink_decoder,
 )
+from app.run.memory import streams
 from app.run.monitoring import Monitor
 from app.run.privacy import RunPrivacy
 from app.run.results import RunRecorder, new_run_dir
@@ -116,6 +117,7 @@ class Run:
     clock: VirtualClockGrid | None = None
     fleet: dict[str, Any] | None = None  # summary.json's fleet entry
     attacked: list[int] = field(default_factory=list)  # malicious partitions
+    streams: bool = False  # training replies folded as they arrive (app/run/memory.py), else gathered
     first_round: int = 1
     elapsed_before: float = 0.0  # wall time of the runs this one resumes
 
@@ -332,6 +334,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     )
     strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring))
     check_cohort(cfg, strategy, len(nodes))
+    streamed = streams(cfg, strategy, len(nodes), sum(len(a.data) for a in arrays.values()))
     clock, fleet_summary = None, None
     if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
         clock, fleet_summary = start_clock(
@@ -372,6 +375,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         ledger=ledger,
         node_keys=NodeKeys(grid.get_nodes) if ledger is not None else None,
         first_round=first_round,
+        streams=streamed,
         clock=clock,
         fleet=fleet_summary,
     )

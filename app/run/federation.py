@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError, check_columns
 from app.ledger.chain import model_digest
+from app.run.arrivals import ReplyFacts, noted, pull_replies
 from app.run.assemble import Run, assemble
 from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
 from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
@@ -43,29 +45,11 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 def send_and_receive(
     grid: Grid, messages: Iterable[Message], timeout: float | None, max_poll_s: float = 0.2
 ) -> list[Message]:
-    """Push `messages` and pull their replies until all are in or `timeout` passes; the
-    replies in the order their messages were sent.
-
-    Flower's own `Grid.send_and_receive` under `flwr run` (HttpGrid) polls every 3 s: a round
-    whose replies arrive after 0.9 s ends at 3 s, which at small tasks was most of a round
-    (docs/benchmarks.md, "Simulation at scale"). Here the poll interval starts at 10 ms and
-    doubles up to `max_poll_s`, so a round ends within a few polls of its last reply while a
-    long round costs the SuperLink a handful of requests a second.
-    """
-    order = {mid: i for i, mid in enumerate(grid.push_messages(messages))}
-    pending = dict(order)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    replies: list[Message] = []
-    interval = 0.01
-    while pending:
-        got = list(grid.pull_messages(list(pending)))
-        replies += got
-        for reply in got:
-            pending.pop(reply.metadata.reply_to_message_id, None)
-        if not pending or (deadline is not None and time.monotonic() >= deadline):
-            break
-        time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
-        interval = min(2 * interval, max_poll_s)
+    """Push `messages` and gather their replies (`pull_replies`) until all are in or `timeout`
+    passes; the replies in the order their messages were sent."""
+    ids = list(grid.push_messages(messages))
+    order = {mid: i for i, mid in enumerate(ids)}
+    replies = list(pull_replies(grid, ids, timeout, max_poll_s))
     # In the order sent, not the order of arrival: the aggregate's floating-point sum, and so
     # the run, is then the same however the replies were timed.
     return sorted(replies, key=lambda m: order.get(m.metadata.reply_to_message_id, len(order)))
@@ -243,6 +227,32 @@ class FederatedRun:
             return self.clock.send_and_receive(messages, timeout=timeout)
         return send_and_receive(self.parts.grid, messages, timeout)
 
+    def arrivals(self, messages: list[Message], timeout: float | None) -> Iterator[Message]:
+        """Send a round's tasks and yield each reply as it arrives, keeping none (a streamed round).
+        A virtual clock orders replies by simulated finish time, so it holds the round's replies
+        until its slowest node finishes; they are then handed on one at a time and dropped."""
+        if self.clock is not None:
+            replies = deque(self.clock.send_and_receive(messages, timeout=timeout))
+            while replies:
+                yield replies.popleft()
+            return
+        grid = self.parts.grid
+        yield from pull_replies(grid, list(grid.push_messages(messages)), timeout)
+
+    def train(
+        self, rnd: int, messages: list[Message], timeout: float | None
+    ) -> tuple[ArrayRecord | None, MetricRecord | None, list[ReplyFacts]]:
+        """A round's new model, its training metrics and the facts of its replies: gathered (all
+        replies, summed in send order) or, with `Run.streams`, folded as they arrive."""
+        digest = self.ledger is not None
+        if self.parts.streams:
+            facts: list[ReplyFacts] = []
+            new, metrics = self.strategy.aggregate_stream(rnd, noted(self.arrivals(messages, timeout), facts, digest))
+            return new, metrics, facts
+        replies = self.exchange(messages, timeout)
+        new, metrics = self.strategy.aggregate_train(rnd, replies)
+        return new, metrics, [ReplyFacts.of(r, digest) for r in replies]
+
     def run_rounds(self) -> None:
         strategy, grid, cfg = self.strategy, self.parts.grid, self.cfg
         timeout = cfg.federation.round_timeout_s
@@ -251,9 +261,8 @@ class FederatedRun:
             t0 = time.time()
             config = ConfigRecord(self.parts.client_config)
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
-            replies = self.exchange(messages, timeout)
             previous = self.arrays
-            new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+            new_arrays, train_metrics, replies = self.train(rnd, messages, timeout)
             client_metrics = reply_metrics(replies)
             self.privacy.record_spending(client_metrics)
             if self.privacy.spent_before_release(federated_eval):
@@ -287,7 +296,7 @@ class FederatedRun:
                 ),
                 **traffic(
                     [payload_bytes(m.content) for m in tasks],
-                    [payload_bytes(r.content) for r in replies if not r.has_error()],
+                    [r.payload_bytes for r in replies if r.error is None],
                     self.parts.unpack.take() if self.parts.unpack is not None else None,
                 ),
             }

@@ -14,10 +14,10 @@ from typing import Any
 from flwr.app import Message, MetricRecord
 
 from app.protocol import GPU_POWER_MEAN_W, NUM_EXAMPLES, WALL_TIME_S
+from app.run.arrivals import ReplyFacts
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
 from strategies.node_text import printable
-from strategies.replies import arrays_digest
 
 POWER_KEY = GPU_POWER_MEAN_W  # app/task/telemetry.py: mean NVML board power while training
 COMPUTE_KEY = WALL_TIME_S  # the node's training time
@@ -38,15 +38,10 @@ def _claims(metrics: MetricRecord | None) -> dict[str, Any]:
     return out
 
 
-def _metrics_of(reply: Message) -> MetricRecord | None:
-    records = list(reply.content.metric_records.values())
-    return records[0] if len(records) == 1 else None
-
-
-def round_nodes(messages: list[Message], replies: list[Message], report: RoundReport, rule: str) -> list[dict]:
+def round_nodes(messages: list[Message], replies: list[ReplyFacts], report: RoundReport, rule: str) -> list[dict]:
     """One record per node sent a training task this round, in the order the tasks were sent."""
     node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-    reply_of = {node_of.get(r.metadata.reply_to_message_id): r for r in replies}
+    reply_of = {node_of.get(r.reply_to): r for r in replies}
     rejected = {r.node_id: r.reason for r in report.rejected}
     capped = {c["node_id"]: c["weight"] for c in report.capped}
     out = []
@@ -56,13 +51,12 @@ def round_nodes(messages: list[Message], replies: list[Message], report: RoundRe
         reply = reply_of.get(node)
         if reply is None:
             record["outcome"] = "missing"
-        elif reply.has_error():
-            record["outcome"] = f"failed: {printable(reply.error.reason)}"
+        elif reply.error is not None:
+            record["outcome"] = f"failed: {printable(reply.error)}"
         else:
-            arrays = list(reply.content.array_records.values())
-            if len(arrays) == 1:
-                record["reply_sha256"] = arrays_digest(arrays[0])
-            record |= _claims(_metrics_of(reply))
+            if reply.digest is not None:
+                record["reply_sha256"] = reply.digest
+            record |= _claims(reply.metrics[0] if len(reply.metrics) == 1 else None)
             if node in rejected:
                 record["outcome"] = f"rejected: {rejected[node]}"
             elif node in report.excluded:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flwr.app import Message, MetricRecord
+from flwr.app import MetricRecord
 
 from app.config.schema import check_columns
 from app.protocol import PARTITION_ID
+from app.run.arrivals import ReplyFacts
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
 
@@ -50,14 +51,9 @@ def reported(row: dict[str, Any], exact: bool) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in EXACT_ROW_KEYS}
 
 
-def reply_metrics(replies: list[Message]) -> list[tuple[int, MetricRecord]]:
+def reply_metrics(replies: list[ReplyFacts]) -> list[tuple[int, MetricRecord]]:
     """(node id, metrics) of every successful reply."""
-    return [
-        (msg.metadata.src_node_id, record)
-        for msg in replies
-        if not msg.has_error()
-        for record in msg.content.metric_records.values()
-    ]
+    return [(r.src_node_id, record) for r in replies if r.error is None for record in r.metrics]
 
 
 def node_partitions(metrics: list[tuple[int, MetricRecord]]) -> dict[str, int]:
