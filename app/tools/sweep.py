@@ -173,8 +173,11 @@ def run_status(env: dict[str, str], run_id: str, deadline: float) -> dict[str, A
         time.sleep(1.0)
 
 
-def run_in_simulation(job_dir: Path, sweep_root: Path, overrides: list[str], fed_config: str, timeout_s: float) -> dict:
-    """Submit the run with `flwr run --stream`, follow it to its end and read Flower's verdict.
+def run_in_simulation(
+    job_dir: Path, sweep_root: Path, overrides: list[str], fed_config: str, timeout_s: float, app_dir: Path = APP_DIR
+) -> dict:
+    """Submit the run of the app in `app_dir` with `flwr run --stream`, follow it to its end and read
+    Flower's verdict.
 
     `flwr run --stream` exits 0 even when the ServerApp fails, so the verdict comes from the
     run's state (`finished:completed` / `finished:failed` and its details).
@@ -188,7 +191,7 @@ def run_in_simulation(job_dir: Path, sweep_root: Path, overrides: list[str], fed
         Path(home_root).mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="fedgpu-flwr-home-", dir=home_root))
     env = flower_env(home)
-    cmd = [flwr_cli(), "run", str(APP_DIR), "--stream", "--run-config", str(run_config)]
+    cmd = [flwr_cli(), "run", str(app_dir), "--stream", "--run-config", str(run_config)]
     cmd += ["--federation-config", fed_config]
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     result: dict[str, Any] = {"run_id": None, "flwr_status": None, "error": None}
@@ -197,7 +200,7 @@ def run_in_simulation(job_dir: Path, sweep_root: Path, overrides: list[str], fed
         with log_path.open("a") as out:
             out.write(f"\n=== {datetime.now(UTC).isoformat(timespec='seconds')} {' '.join(cmd)}\n")
             out.flush()
-            proc = subprocess.Popen(cmd, env=env, cwd=APP_DIR, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, env=env, cwd=app_dir, stdout=out, stderr=subprocess.STDOUT)
             try:
                 proc.wait(timeout=None if deadline == float("inf") else max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
