@@ -27,6 +27,7 @@ from flwr.clientapp import ClientApp
 from app.protocol import (
     AMP_SKIPPED_STEPS,
     ARRAYS,
+    BASE_DIGEST,
     BATCH_SIZE,
     CONFIG,
     DATA_PATH,
@@ -67,13 +68,14 @@ from app.task.data import (
     load_splits,
     materialize,
     partition_indices,
+    partition_key,
     spec_from_record,
     split_validation,
 )
 from app.task.distributed import Work, local_devices, train_on_devices
 from app.task.gpu_memory import MemoryCap, cap_memory, memory_share, release
 from app.task.metrics import Task
-from app.task.models import build_model, freeze
+from app.task.models import build_model, freeze, trainable_keys
 from app.task.telemetry import GpuTelemetry, log_hidden_gpus_once
 from app.task.training import (
     Precision,
@@ -97,11 +99,14 @@ SCALER_STATE = "amp-grad-scaler"  # ConfigRecord in context.state: the fp16 Grad
 def _node_data(settings: ClientSettings, node_key: tuple[str, int, int], spec: DataSpec) -> tuple[Examples, Examples]:
     data_path, partition_id, num_partitions = node_key
     if data_path:
-        data = materialize(load_local_data(settings.dataset, data_path, settings.seed))
+        data = materialize(
+            load_local_data(settings.dataset, data_path, settings.seed, settings.model, settings.task.type)
+        )
         where = f"data-path={data_path}"
     else:
-        train_source, _ = load_splits(settings.dataset, settings.seed)
-        idx = partition_indices(train_source.labels, num_partitions, partition_id, settings.partition, settings.seed)
+        train_source, _ = load_splits(settings.dataset, settings.seed, settings.model, settings.task.type)
+        key = partition_key(train_source, settings.partition)
+        idx = partition_indices(key, num_partitions, partition_id, settings.partition, settings.seed)
         data = materialize(train_source, idx)
         where = f"partition {partition_id}/{num_partitions} of dataset={settings.dataset.name}"
     check_spec(data, spec, where)
@@ -164,7 +169,9 @@ def prepare_job(msg: Message, context: Context) -> Job:
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
 
         model = make_private_compatible(model)  # the server's global model went through it too
-    frozen = msg.content[FROZEN].to_torch_state_dict() if FROZEN in msg.content else {}
+    frozen = own_base(model, record, settings) if BASE_DIGEST in record else {}
+    if FROZEN in msg.content:
+        frozen = msg.content[FROZEN].to_torch_state_dict()
     arrays = received_model(msg, context, {k: v for k, v in model.state_dict().items() if k not in frozen}, settings)
     model.load_state_dict({**frozen, **arrays})  # strict: together they are the whole model
     images = len(spec.input_shape) == 3
@@ -174,6 +181,17 @@ def prepare_job(msg: Message, context: Context) -> Job:
     return Job(
         record, settings, spec, precision, train_data, val_data, model, task, arrays, list(arrays), cap, local_dp
     )
+
+
+def own_base(model: torch.nn.Module, record: dict, settings: ClientSettings) -> dict[str, torch.Tensor]:
+    """The frozen base of a model every node builds itself (model=hf): never sent, so this node's
+    own, checked against the server's digest before it is trained on."""
+    from app.task.hf import check_base  # transformers' side: only for model=hf
+
+    trained = set(trainable_keys(model, settings.model.trainable))
+    base = {k: v for k, v in model.state_dict().items() if k not in trained}
+    check_base(base, str(record[BASE_DIGEST]), settings.model)
+    return base
 
 
 def received_model(

@@ -45,6 +45,8 @@ NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
 STATE_DIR = "state-dir"  # node_config: where a node keeps what must outlive a restart (error feedback's residual)
 # a training task's ConfigRecord with compression.downlink (app/compression/downlink.py); absent: the model as it is
+# model=hf: the server's digest of the frozen base, which every node builds itself and checks (app/task/hf.py)
+BASE_DIGEST = "model.base-digest"
 DOWNLINK = "downlink"  # "fp16", "full" (the model, and the start of a delta chain) or "delta"
 DOWNLINK_BASE = "downlink-base"  # delta: the id of the copy the node must hold
 DOWNLINK_ID = "downlink-id"  # full and delta: the id of the copy the node holds after this task

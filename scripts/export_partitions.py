@@ -28,20 +28,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 
 from app.config.compose import load_config  # noqa: E402
 from app.config.schema import ConfigError
-from app.task.data import check_partitioning, load_splits, materialize, partition_indices  # noqa: E402
+from app.task.data import check_partitioning, load_splits, materialize, partition_indices, partition_key  # noqa: E402
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: str = "") -> list[Path]:
-    """Write partition-<i>.npz for i in [0, num_partitions); return the paths."""
+    """Write partition-<i>.npz for i in [0, num_partitions) (dataset=text: partition-<i>.jsonl, its
+    examples as text again, which a node tokenizes itself); return the paths."""
     cfg, _ = load_config(overrides)
-    train, _ = load_splits(cfg.dataset, cfg.seed)
-    check_partitioning(len(train.labels), num_partitions, cfg.partition)
+    train, _ = load_splits(cfg.dataset, cfg.seed, cfg.model, cfg.task.type)
+    key = partition_key(train, cfg.partition)
+    check_partitioning(key, num_partitions, cfg.partition)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(num_partitions):
-        part = materialize(train, partition_indices(train.labels, num_partitions, i, cfg.partition, cfg.seed))
-        path = out / f"partition-{i}.npz"
-        np.savez_compressed(path, x=part.x.numpy(), y=part.y.numpy())
+        part = materialize(train, partition_indices(key, num_partitions, i, cfg.partition, cfg.seed))
+        if cfg.dataset.name == "text":
+            from app.task.text import write_jsonl
+
+            path = out / f"partition-{i}.jsonl"
+            write_jsonl(path, part.x.numpy(), part.y.numpy(), cfg.model, cfg.dataset, cfg.task.type == "causal_lm")
+        else:
+            path = out / f"partition-{i}.npz"
+            np.savez_compressed(path, x=part.x.numpy(), y=part.y.numpy())
         paths.append(path)
     return paths
 
@@ -54,8 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         for path in export_partitions(args.out, args.num_partitions, args.overrides):
-            with np.load(path) as f:
-                print(f"{path}: {len(f['y'])} examples; SuperNode: --node-config 'data-path=\"{path.resolve()}\"'")
+            print(f"{path}: SuperNode: --node-config 'data-path=\"{path.resolve()}\"'")
     except ConfigError as err:
         parser.error(str(err))
 

@@ -183,10 +183,10 @@ def test_a_check_that_needs_a_bad_key_is_skipped_not_crashed():
 
 def test_more_partitions_than_samples_is_rejected():
     with pytest.raises(ConfigError, match=r"num-partitions=2000 .* more partitions than the 1437"):
-        check_partitioning(1437, 2000, PartitionConfig())
+        check_partitioning(np.zeros(1437), 2000, PartitionConfig())
     with pytest.raises(ConfigError, match="partition.min_partition_size=10"):
-        check_partitioning(100, 20, PartitionConfig(name="dirichlet", min_partition_size=10))
-    check_partitioning(1437, 100, PartitionConfig())
+        check_partitioning(np.zeros(100), 20, PartitionConfig(name="dirichlet", min_partition_size=10))
+    check_partitioning(np.zeros(1437), 100, PartitionConfig())
 
 
 def test_output_dir_must_be_absolute(tmp_path):

@@ -25,12 +25,18 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codec
 DOWNLINKS = ("none", "fp16", "delta")  # app/compression/downlink.py
 LEDGERS = ("on", "off")  # app/ledger/
 CONTRIBUTIONS = ("none", "loo", "shapley")  # app/ledger/contribution.py
+AGGREGATIONS = ("auto", "stream", "gather")  # federation.aggregation (app/run/memory.py)
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
-DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python")
+DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python", "text")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
-PARTITIONS = ("iid", "dirichlet")
-MODELS = ("cnn", "resnet18", "torchvision", "custom")
+PARTITIONS = ("iid", "dirichlet", "by_file")  # by_file: dataset=text, one partition per file
+MODELS = ("cnn", "resnet18", "torchvision", "custom", "hf")
+PEFT_METHODS = ("none", "lora")  # model=hf: model.peft (app/task/hf.py)
+# task.type: classification of any inputs (the built-in models, model=custom); with model=hf,
+# next-token prediction (causal_lm) or labels of whole texts (sequence_classification)
+TASK_TYPES = ("classification", "causal_lm", "sequence_classification")
 BUILTIN_METRICS = ("accuracy", "balanced_accuracy", "f1_macro", "auroc")
+LM_METRICS = ("token_accuracy", "perplexity")  # task.type=causal_lm (app/task/metrics.py)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_PRECISIONS = ("fp16", "bf16", "off")  # what train.amp resolves to on a device (app.task.training)
 CHANNELS_LAST_MODES = ("auto", "on", "off")
@@ -113,6 +119,11 @@ class DatasetConfig:
     hf_name: str | None = None
     image_key: str = "image"  # the input column of a Hugging Face dataset
     label_key: str = "label"
+    # dataset=text (app/task/text.py): the text field of .jsonl files and saved datasets, the
+    # token block (causal_lm) or the longest sequence (sequence_classification), the token cache
+    text_key: str = "text"
+    block_size: int = 128
+    cache_dir: str | None = "~/.cache/fedgpu/tokens"  # null: tokenize again in every process
     test_fraction: float = 0.2
     val_fraction: float = 0.1
     target: str | None = None  # dataset=python: `_target_`, the loader's dotted path
@@ -135,6 +146,16 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     init_weights: str | None = None  # a state_dict file the server starts from (loaded weights-only)
     trainable: list[str] = field(default_factory=list, hash=False)  # key prefixes trained and sent; [] = all
+    # model=hf (app/task/hf.py): a local transformers directory, or a config (a dict or a JSON file)
+    path: str | None = None
+    config: Any = field(default=None, hash=False)
+    tokenizer_path: str | None = None  # default: model.path; neither: a byte-level tokenizer (ByT5's)
+    peft: str = "none"  # none | lora
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=list, hash=False)  # [] = peft's default for the model
+    dtype: str = "float32"  # the base weights: float32 | bfloat16 (halves a frozen base's memory)
 
 
 @dataclass(unsafe_hash=True)
@@ -147,6 +168,7 @@ class LossConfig:
 class TaskConfig:
     """The loss and the metrics (app/task/metrics.py); the first metric is the primary one."""
 
+    type: str = "classification"  # TASK_TYPES
     loss: LossConfig = field(default_factory=LossConfig)
     # built-in names (BUILTIN_METRICS) or {_target_: dotted.path, name: ..., **kwargs}
     metrics: list[Any] = field(default_factory=lambda: ["accuracy"], hash=False)
@@ -284,6 +306,8 @@ class FederationConfig:
     target_value: float = 0.0  # stop once the central target_metric reaches this; 0 = never
     target_accuracy: float = 0.0  # older spelling of target_metric=accuracy target_value=...
     max_examples_per_node: int = 100_000  # cap on a reply's claimed num-examples (its FedAvg weight)
+    aggregation: str = "auto"  # AGGREGATIONS: fold training replies as they arrive, or gather them (app/run/memory.py)
+    server_memory_gb: float = 0.0  # the most the replies a strategy holds at once may take; 0 = no cap
 
 
 @dataclass(unsafe_hash=True)

@@ -23,15 +23,18 @@ from app.config.schema import (
     DOWNLINKS,
     FLEET_SPEEDS,
     LEDGERS,
+    LM_METRICS,
     MODELS,
     OPTIMIZERS,
     PARTITIONS,
+    PEFT_METHODS,
     PRIVACY,
     ROBUST_POLICIES,
     ROBUST_RULES,
     ROW_COLUMNS,
     STRAGGLERS,
     STRATEGIES,
+    TASK_TYPES,
     Config,
     ConfigError,
     StrategyConfig,
@@ -313,9 +316,7 @@ def validate(cfg: Config) -> Config:
             f"ledger.contribution={cfg.ledger.contribution} scores every reply against the others, so the round "
             "must gather them; use auto or gather",
         )
-    p.require(
-        f.server_memory_gb >= 0, "federation.server_memory_gb", f.server_memory_gb, "must be >= 0 (0 = no cap)"
-    )
+    p.require(f.server_memory_gb >= 0, "federation.server_memory_gb", f.server_memory_gb, "must be >= 0 (0 = no cap)")
     _validate_task(p, cfg)
 
     m = cfg.simulation
@@ -380,7 +381,7 @@ def _require_target(p: Problems, key: str, value: str | None) -> bool:
 _METRIC_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
-def _metric_names(p: Problems, metrics: list[Any]) -> list[str]:
+def _metric_names(p: Problems, metrics: list[Any], builtins: tuple[str, ...] = BUILTIN_METRICS) -> list[str]:
     """The name of each valid `task.metrics` entry (`metric_name`); each invalid one is recorded
     in `p` instead (an entry with no usable name, such as an unknown built-in or a name taken
     from a bad `_target_`, has its name left unchecked)."""
@@ -396,10 +397,12 @@ def _metric_names(p: Problems, metrics: list[Any]) -> list[str]:
                 continue  # the name would be made from the bad target
             name = metric_name(entry)
         elif p.require(
-            entry in BUILTIN_METRICS,
+            entry in builtins,
             key,
             entry,
-            f"allowed: {', '.join(BUILTIN_METRICS)}, or {{_target_: my_pkg.module.metric, name: ...}}",
+            f"allowed: {', '.join(builtins)}, or {{_target_: my_pkg.module.metric, name: ...}}"
+            if builtins is BUILTIN_METRICS
+            else f"task.type=causal_lm reports {', '.join(builtins)} (its logits are too large to keep for other metrics)",
         ):
             name = entry
         else:
@@ -428,14 +431,26 @@ def _validate_task(p: Problems, cfg: Config) -> None:
     spelling, moved there). Idempotent: validating twice accepts what the first pass set.
     The target is checked against the metrics only when every metric is valid."""
     t = cfg.task
-    if t.loss.target is not None:
+    p.one_of("task.type", t.type, TASK_TYPES)
+    if t.loss.target is not None and p.require(
+        t.type != "causal_lm", "task.loss._target_", t.loss.target, "task.type=causal_lm has its own loss (next tokens)"
+    ):
         _require_target(p, "task.loss._target_", t.loss.target)
     metrics = list(t.metrics)
     before = len(p)
     p.require(
         bool(metrics), "task.metrics", metrics, "name at least one metric, e.g. [accuracy] (the first is primary)"
     )
-    names = _metric_names(p, metrics)
+    causal = t.type == "causal_lm"
+    names = _metric_names(p, metrics, LM_METRICS if causal else BUILTIN_METRICS)
+    if causal and names:
+        p.require(
+            names[0] != "perplexity",
+            "task.metrics",
+            metrics,
+            "perplexity is lower-is-better and the primary (first) metric must be higher-is-better: put "
+            "token_accuracy first (perplexity is still reported)",
+        )
     metrics_ok = len(p) == before
     dupes = sorted({n for n in names if names.count(n) > 1})
     p.require(
@@ -506,6 +521,7 @@ def _validate_model(p: Problems, cfg: Config) -> None:
         )
     if m.name == "custom":
         _require_target(p, "model._target_", m.target)
+    _validate_text(p, cfg)
     if m.init_weights is not None:
         p.require(
             Path(m.init_weights).is_file(),
@@ -519,6 +535,52 @@ def _validate_model(p: Problems, cfg: Config) -> None:
         m.trainable,
         "a list of parameter-name prefixes such as [fc] or [net.9]; [] trains the whole model",
     )
+
+
+def _validate_text(p: Problems, cfg: Config) -> None:
+    """model=hf, dataset=text and task.type must agree: transformers take token ids, and a task
+    type other than classification needs one."""
+    m, d, t = cfg.model, cfg.dataset, cfg.task
+    if m.name == "hf":
+        if (
+            p.require(
+                (m.path is None) != (m.config is None),
+                "model.path",
+                m.path,
+                "model=hf needs one of model.path (a local transformers directory) or model.config (a dict or JSON file)",
+            )
+            and m.path is not None
+        ):
+            p.require(Path(m.path).expanduser().is_dir(), "model.path", m.path, "no such directory")
+        p.one_of("model.peft", m.peft, PEFT_METHODS)
+        p.one_of("model.dtype", m.dtype, ("float32", "bfloat16"))
+        if m.peft == "lora":
+            p.require(m.lora_r >= 1, "model.lora_r", m.lora_r, "must be >= 1")
+            p.require(m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "must be > 0")
+            p.require(0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout, "must be in [0, 1)")
+        p.require(
+            t.type != "classification",
+            "task.type",
+            t.type,
+            "model=hf needs task.type=causal_lm or sequence_classification (task=causal_lm, task=sequence_classification)",
+        )
+        p.require(d.name == "text", "dataset.name", d.name, "model=hf reads token ids: use dataset=text")
+    elif t.type != "classification":
+        p.require(False, "task.type", t.type, f"task.type={t.type} needs model=hf (a transformers model)")
+    if d.name == "text":
+        p.require(d.block_size >= 2, "dataset.block_size", d.block_size, "must be >= 2 tokens")
+        if p.require(bool(d.path), "dataset.path", d.path, "dataset=text needs dataset.path (.txt / .jsonl files)"):
+            p.require(Path(d.path).expanduser().exists(), "dataset.path", d.path, "no such file or directory")
+        p.require(m.name == "hf", "model.name", m.name, "dataset=text gives token ids: use model=hf")
+    if cfg.partition.name == "by_file":
+        p.require(d.name == "text", "partition.name", "by_file", "partition=by_file splits text files: dataset=text")
+    if t.type == "causal_lm":
+        p.require(
+            cfg.partition.name != "dirichlet",
+            "partition.name",
+            "dirichlet",
+            "task.type=causal_lm has no labels to skew: partition=iid or by_file",
+        )
 
 
 def _validate_fedbuff(p: Problems, s: StrategyConfig) -> None:

@@ -29,7 +29,7 @@ from app.config.schema import Config, ConfigError, FleetConfig
 from app.ledger.chain import Ledger
 from app.ledger.nodes import NodeKeys
 from app.ledger.signing import load_signing_key
-from app.protocol import LEDGER_ON, RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP, ROUNDS_KEY, to_client_record
+from app.protocol import BASE_DIGEST, LEDGER_ON, RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP, ROUNDS_KEY, to_client_record
 from app.run.checkpoint import Checkpoint, load_checkpoint, restore_rng
 from app.run.contributions import RoundScores
 from app.run.factory import (
@@ -53,7 +53,15 @@ from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles
 from app.simulation.local_grid import InProcessGrid
 from app.simulation.virtual_clock import VirtualClockGrid, discover_partitions
-from app.task.data import Examples, check_partitioning, data_spec, load_splits, materialize, spec_to_record
+from app.task.data import (
+    Examples,
+    check_partitioning,
+    data_spec,
+    load_splits,
+    materialize,
+    partition_key,
+    spec_to_record,
+)
 from app.task.metrics import Task
 from app.task.models import model_key, trainable_keys
 from app.task.training import Precision, evaluate, model_inputs, resolve_device, resolve_precision
@@ -285,8 +293,9 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     apply the checkpoint it resumes from (if any)."""
     device = resolve_device(cfg.server_device)
     precision = resolve_precision("off", device)
-    train_source, test_source = load_splits(cfg.dataset, cfg.seed)
-    spec = data_spec(train_source, test_source)
+    train_source, test_source = load_splits(cfg.dataset, cfg.seed, cfg.model, cfg.task.type)
+    spec = data_spec(train_source, test_source, cfg.task.type == "causal_lm")
+    key = partition_key(train_source, cfg.partition)  # what partitions split by: labels, or files
     test_data = materialize(test_source)
     task = Task.from_config(cfg.task, spec)
     torch.manual_seed(cfg.seed)
@@ -297,7 +306,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     simulated = runs_simulated_nodes(grid)
     f = cfg.federation
     nodes = wait_for_nodes(grid, f.min_available_nodes, f.node_wait_timeout_s, simulated)
-    check_partitioning(len(train_source.labels), len(nodes), cfg.partition)
+    check_partitioning(key, len(nodes), cfg.partition)
     # Simulated nodes report their partition and the first claim binds; a deployed node's claim
     # binds nothing (strategies/partitions.py). Log lines name a simulated node by its bound
     # partition, a deployed one by its node config's name.
@@ -326,20 +335,21 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     unpack = uplink_decoder(cfg.compression)
     limits = ReplyLimits(
         message_ttl_s=f.message_ttl_s,
-        weight_cap=privacy.screening(example_cap(cfg, train_source.labels, partitions)),
+        weight_cap=privacy.screening(example_cap(cfg, key, partitions)),
         unpack=unpack,
     )
     wiring = TaskWiring(
-        frozen=model.frozen, downlink=downlink_encoder(cfg.compression, cfg.seed), node_config=node_config, names=names
+        frozen=None if cfg.model.name == "hf" else model.frozen,  # hf: every node builds the base; its digest travels
+        downlink=downlink_encoder(cfg.compression, cfg.seed),
+        node_config=node_config,
+        names=names,
     )
     strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring))
     check_cohort(cfg, strategy, len(nodes))
     streamed = streams(cfg, strategy, len(nodes), sum(len(a.data) for a in arrays.values()))
     clock, fleet_summary = None, None
     if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
-        clock, fleet_summary = start_clock(
-            cfg, fleet, grid, nodes, partitions, train_source.labels, strategy.asynchronous
-        )
+        clock, fleet_summary = start_clock(cfg, fleet, grid, nodes, partitions, key, strategy.asynchronous)
 
     # Nothing above wrote a file: a refused configuration leaves no results directory behind.
     if ckpt is not None and ckpt_path is not None:
@@ -370,8 +380,8 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         recorder=recorder,
         monitor=Monitor(task.names, cfg.monitoring.max_node_labels),
         client_config=ConfigRecord(
-            {**to_client_record(cfg), **spec_to_record(spec), ROUNDS_KEY: f.rounds}  # local DP plans over all rounds
-        ),
+            {**to_client_record(cfg), **spec_to_record(spec), ROUNDS_KEY: f.rounds, **pinned_base(cfg, model)}
+        ),  # ROUNDS_KEY: local DP plans over all rounds
         ledger=ledger,
         node_keys=NodeKeys(grid.get_nodes) if ledger is not None else None,
         first_round=first_round,
@@ -409,6 +419,17 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
             1 / len(nodes),
         )
     return run
+
+
+def pinned_base(cfg: Config, model: Model) -> dict[str, str]:
+    """model=hf: the digest of the frozen base the nodes must hold (they build it; it never travels)."""
+    if cfg.model.name != "hf" or model.frozen is None:
+        return {}
+    from app.task.hf import base_digest
+
+    digest = base_digest(model.frozen.to_torch_state_dict())
+    log.info("model=hf: the base stays on the nodes; each checks its own against digest %s", digest)
+    return {BASE_DIGEST: digest}
 
 
 def resume(run: Run, ckpt: Checkpoint, path: Path) -> None:

@@ -398,6 +398,17 @@ class FederatedRun:
         accuracy = {"final_accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}
         return {"final_metric": metrics[primary], **accuracy, "final_loss": loss}
 
+    def export_hf(self) -> list[Path]:
+        """model=hf: the final model as transformers directories under `<run>/hf/` (the adapter
+        and the merged model), loadable without this app. Last: merging changes the module."""
+        from app.task.hf import export
+
+        module = self.parts.model.module
+        module.load_state_dict(self.full_state(self.arrays))
+        paths = export(module.cpu(), self.cfg.model, self.recorder.run_dir / "hf")
+        log.info("final model as transformers directories: %s", ", ".join(map(str, paths)))
+        return paths
+
     def serve_metrics(self) -> None:
         """Start the Prometheus endpoint (monitoring.prometheus_port > 0) before the first step."""
         m = self.cfg.monitoring
@@ -452,6 +463,8 @@ class FederatedRun:
                 log.info("ledger: %d entries, head %s", self.ledger.length, self.ledger.head)
             if status == "completed":
                 extra.update(self.final_evaluation())
+            if cfg.model.name == "hf":
+                extra["final_model_hf"] = [str(p) for p in self.export_hf()]
             summary = self.recorder.finish(status, self.elapsed(), extra)
             log.info(
                 "run %s: final %s %s, results: %s",

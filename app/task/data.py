@@ -23,7 +23,15 @@ import numpy as np
 import torch
 
 from app.config.registry import Registry
-from app.config.schema import DATASETS, HUB_DATASETS, PARTITIONS, ConfigError, DatasetConfig, PartitionConfig
+from app.config.schema import (
+    DATASETS,
+    HUB_DATASETS,
+    PARTITIONS,
+    ConfigError,
+    DatasetConfig,
+    ModelConfig,
+    PartitionConfig,
+)
 from app.task.user_code import call, call_parameters
 
 if TYPE_CHECKING:
@@ -42,6 +50,7 @@ class DataSpec:
     input_shape: tuple[int, ...]  # one example: C x H x W images, F features, T x F sequences, ...
     num_classes: int  # the model's outputs: classes, or targets per example when multilabel
     multilabel: bool = False  # targets are N x K 0/1 values (multi-label; binary when K = 1)
+    causal_lm: bool = False  # inputs are N x T token ids, targets their N x T next tokens; num_classes: tokens used
 
     def image_shape(self, model: str) -> tuple[int, int, int]:
         """(C, H, W) for an image model; a ConfigError naming the model for other data."""
@@ -54,20 +63,21 @@ class DataSpec:
         return c, h, w
 
 
-SPEC_KEYS = ("data.input_shape", "data.num_classes", "data.multilabel")
+SPEC_KEYS = ("data.input_shape", "data.num_classes", "data.multilabel", "data.causal_lm")
 
 
 def spec_to_record(spec: DataSpec) -> dict[str, Any]:
     """The data spec as ConfigRecord keys (the server sends it with every message)."""
-    return dict(zip(SPEC_KEYS, (list(spec.input_shape), spec.num_classes, spec.multilabel), strict=True))
+    values = (list(spec.input_shape), spec.num_classes, spec.multilabel, spec.causal_lm)
+    return dict(zip(SPEC_KEYS, values, strict=True))
 
 
 def spec_from_record(record: dict) -> DataSpec:
     missing = [k for k in SPEC_KEYS if k not in record]
     if missing:
         raise ValueError(f"message config lacks {missing}; is the ServerApp from this app?")
-    shape, classes, multilabel = (record[k] for k in SPEC_KEYS)
-    return DataSpec(tuple(int(d) for d in shape), int(classes), bool(multilabel))
+    shape, classes, multilabel, causal_lm = (record[k] for k in SPEC_KEYS)
+    return DataSpec(tuple(int(d) for d in shape), int(classes), bool(multilabel), bool(causal_lm))
 
 
 @dataclass
@@ -328,28 +338,45 @@ def _own_test_split(pair: tuple[Source, Source | None], cfg: DatasetConfig, seed
     return (train, test) if test is not None else _split_pair(train, cfg, seed)
 
 
-_LOADERS: Registry[Callable[[DatasetConfig, int], tuple[Source, Source]]] = Registry(
+def _load_text(cfg: DatasetConfig, seed: int, model: ModelConfig, task_type: str) -> tuple[Source, Source]:
+    from app.task.text import text_splits  # transformers' tokenizers: imported only for text
+
+    return text_splits(cfg, model, task_type == "causal_lm", seed)
+
+
+_LOADERS: Registry[Callable[[DatasetConfig, int, ModelConfig, str], tuple[Source, Source]]] = Registry(
     "dataset.name",
     DATASETS,
     {
-        "digits": lambda cfg, seed: _split_pair(_load_digits(), cfg, seed),
-        **dict.fromkeys(HUB_DATASETS, _load_hub),
-        "npz": lambda cfg, seed: _own_test_split(_load_npz(cfg.path), cfg, seed),
-        "hf_disk": lambda cfg, seed: _own_test_split(_load_disk(cfg, cfg.path), cfg, seed),
-        "python": lambda cfg, seed: _own_test_split(_load_python(cfg, seed=seed), cfg, seed),
+        "digits": lambda cfg, seed, *_: _split_pair(_load_digits(), cfg, seed),
+        **dict.fromkeys(HUB_DATASETS, lambda cfg, seed, *_: _load_hub(cfg, seed)),
+        "npz": lambda cfg, seed, *_: _own_test_split(_load_npz(cfg.path), cfg, seed),
+        "hf_disk": lambda cfg, seed, *_: _own_test_split(_load_disk(cfg, cfg.path), cfg, seed),
+        "python": lambda cfg, seed, *_: _own_test_split(_load_python(cfg, seed=seed), cfg, seed),
+        "text": _load_text,
     },
 )
 
 
 @lru_cache(maxsize=4)
-def load_splits(cfg: DatasetConfig, seed: int) -> tuple[Source, Source]:
-    """(train, test) sources of the configured dataset; cached per process."""
-    return _LOADERS[cfg.name](cfg, seed)
+def load_splits(
+    cfg: DatasetConfig, seed: int, model: ModelConfig | None = None, task_type: str = "classification"
+) -> tuple[Source, Source]:
+    """(train, test) sources of the configured dataset; cached per process. Text is tokenized
+    with `model`'s tokenizer (default: bytes) into rows for `task_type` (`app.task.text`)."""
+    return _LOADERS[cfg.name](cfg, seed, model or ModelConfig(), task_type)
 
 
-def load_local_data(cfg: DatasetConfig, path: str, seed: int) -> Source:
-    """A SuperNode's own training data (deployment): a .npz file or a save_to_disk dir, or
-    under dataset=python what the loader returns when it takes a `data_path` argument."""
+def load_local_data(
+    cfg: DatasetConfig, path: str, seed: int, model: ModelConfig | None = None, task_type: str = "classification"
+) -> Source:
+    """A SuperNode's own training data (deployment): a .npz file or a save_to_disk dir, under
+    dataset=python what the loader returns when it takes a `data_path` argument, under
+    dataset=text its own text files (tokenized with `model`'s tokenizer)."""
+    if cfg.name == "text":
+        from app.task.text import text_source
+
+        return text_source(cfg, model or ModelConfig(), task_type == "causal_lm", path)
     if cfg.name == "python" and "data_path" in call_parameters("dataset._target_", str(cfg.target)):
         return _load_python(cfg, seed=seed, data_path=path)[0]
     if not Path(path).exists():
@@ -367,12 +394,16 @@ def load_local_data(cfg: DatasetConfig, path: str, seed: int) -> Source:
     raise DatasetUnavailableError(f"node config data-path={path!r} is neither a .npz file nor a directory")
 
 
-def data_spec(train: Source, test: Source) -> DataSpec:
+def data_spec(train: Source, test: Source, causal_lm: bool = False) -> DataSpec:
     """One example's shape and the class (or target) count, read off the data; the test
-    split must agree with the training split."""
+    split must agree with the training split. Causal LM: the count of token ids the data uses
+    (the model's vocabulary must cover them)."""
     shape, test_shape = (tuple(int(d) for d in s.inputs(np.arange(1)).shape[1:]) for s in (train, test))
     if shape != test_shape:
         raise DatasetUnavailableError(f"training examples are shaped {shape} but test examples {test_shape}")
+    if causal_lm:
+        used = max(int(s.inputs(np.arange(len(s.labels))).max()) for s in (train, test))
+        return DataSpec(shape, max(used, int(train.labels.max()), int(test.labels.max())) + 1, causal_lm=True)
     if train.labels.ndim == 2:
         if test.labels.ndim != 2 or test.labels.shape[1] != train.labels.shape[1]:
             raise DatasetUnavailableError(
@@ -384,8 +415,24 @@ def data_spec(train: Source, test: Source) -> DataSpec:
     return DataSpec(shape, int(max(train.labels.max(), test.labels.max(initial=0))) + 1)
 
 
-def check_partitioning(num_samples: int, num_partitions: int, cfg: PartitionConfig) -> None:
-    """Reject partition counts the data cannot fill, before any training."""
+def partition_key(source: Source, cfg: PartitionConfig) -> np.ndarray:
+    """What the partitioner splits by: the labels, or under partition=by_file each example's file."""
+    if cfg.name != "by_file":
+        return source.labels
+    groups = getattr(source, "groups", None)
+    if groups is None:
+        raise ConfigError("partition=by_file splits text files (dataset=text); this dataset has no files to split by")
+    return groups
+
+
+def check_partitioning(key: np.ndarray, num_partitions: int, cfg: PartitionConfig) -> None:
+    """Reject partition counts the data cannot fill, before any training (`key`: `partition_key`)."""
+    num_samples = len(key)
+    if cfg.name == "by_file" and len(np.unique(key)) != num_partitions:
+        raise ConfigError(
+            f"partition=by_file makes one partition per file: the data has {len(np.unique(key))} file(s) with "
+            f"examples, for {num_partitions} partitions (nodes); give as many files as nodes, or partition=iid"
+        )
     if num_partitions < 1:
         raise ConfigError(f"num-partitions={num_partitions} is invalid: must be >= 1")
     if num_partitions > num_samples:
@@ -421,8 +468,15 @@ def _dirichlet(num_partitions: int, cfg: PartitionConfig, seed: int) -> Partitio
 
 
 # Flower Datasets is imported on first use (it pulls in Hugging Face datasets).
+def _by_file(num_partitions: int, cfg: PartitionConfig, seed: int) -> Partitioner:
+    """One partition per distinct key (`partition_key`: a file), Flower's natural-id split."""
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    return NaturalIdPartitioner(partition_by="label")
+
+
 _PARTITIONERS: Registry[Callable[[int, PartitionConfig, int], Partitioner]] = Registry(
-    "partition.name", PARTITIONS, {"iid": _iid, "dirichlet": _dirichlet}
+    "partition.name", PARTITIONS, {"iid": _iid, "dirichlet": _dirichlet, "by_file": _by_file}
 )
 
 
@@ -436,7 +490,7 @@ def partition_indices(
     of every label, shuffled and flattened) costs seconds, while one more partition from a
     built partitioner costs milliseconds.
     """
-    check_partitioning(len(labels), num_partitions, cfg)
+    check_partitioning(labels, num_partitions, cfg)
     if not 0 <= partition_id < num_partitions:
         raise ConfigError(f"partition-id={partition_id} is invalid: must be in [0, {num_partitions})")
     if labels.ndim != 1:
@@ -499,7 +553,12 @@ def check_spec(data: Examples, spec: DataSpec, where: str) -> None:
         raise DatasetUnavailableError(
             f"{where}: examples are shaped {got}, the global model expects {spec.input_shape}"
         )
-    if spec.multilabel:
+    if spec.causal_lm:
+        if tuple(data.y.shape) != tuple(data.x.shape):
+            raise DatasetUnavailableError(
+                f"{where}: next tokens shaped {tuple(data.y.shape)}, tokens {tuple(data.x.shape)}"
+            )
+    elif spec.multilabel:
         if data.y.dim() != 2 or data.y.shape[1] != spec.num_classes:
             raise DatasetUnavailableError(
                 f"{where}: targets are {tuple(data.y.shape)}, expected N x {spec.num_classes}"

@@ -18,6 +18,7 @@ Conventions every caller relies on:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,8 @@ from app.config.registry import Registry
 from app.config.schema import BUILTIN_METRICS, ConfigError, TaskConfig, metric_name
 from app.task.data import DataSpec
 from app.task.user_code import call, locate
+
+IGNORE = -100  # a target position without a next token (PyTorch's ignore_index)
 
 LOSS_KEY = "task.loss._target_"
 METRICS_KEY = "task.metrics"
@@ -137,6 +140,8 @@ class Task:
         """Build the task: the loss `_target_` is called once here (with its kwargs; a factory
         that declares `num_classes` gets the spec's), each custom metric is located here, so a
         bad path fails before any training."""
+        if spec.causal_lm:
+            return LanguageModelTask([str(m) for m in cfg.metrics])
         loss_fn: LossFn | None = None
         if cfg.loss.target is not None:
             loss_fn = call(LOSS_KEY, cfg.loss.target, cfg.loss.kwargs, {"num_classes": spec.num_classes})
@@ -182,6 +187,52 @@ class Task:
             return {name: float("nan") for name in self.names}
         logits, targets = logits.detach().float().cpu(), targets.detach().cpu()
         return {name: fn(logits, targets) for name, fn in self._metrics}
+
+    def keep(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the loops keep of a batch for `accuracy` and `metrics` after the loop: the logits
+        and targets themselves (N x classes: small)."""
+        return logits, targets
+
+
+class LanguageModelTask(Task):
+    """Next-token prediction (task.type=causal_lm): cross-entropy over every position with a
+    next token (IGNORE elsewhere), token accuracy and perplexity.
+
+    N x T x vocabulary logits are far too large to keep for a whole split, so `keep` reduces
+    each example to (correct tokens, tokens, summed negative log-likelihood) at once, and the
+    metrics add those up: exact, whatever the batching. Perplexity is exp(mean token NLL), the
+    one lower-is-better number here, so it may not be the primary metric (validation)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(None, [(name, _unused) for name in names])
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+
+    def keep(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        valid = targets != IGNORE
+        nll = F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
+        hits = (logits.argmax(-1) == targets) & valid
+        kept = torch.stack([hits.sum(1), valid.sum(1), nll.sum(1)], dim=1).double()
+        return kept, targets[:, 0]
+
+    def accuracy(self, logits: torch.Tensor, targets: torch.Tensor) -> float:
+        tokens = float(logits[:, 1].sum())
+        return float(logits[:, 0].sum()) / tokens if tokens else float("nan")
+
+    def metrics(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        tokens = float(logits[:, 1].sum()) if len(logits) else 0.0
+        if not tokens:
+            return {name: float("nan") for name in self.names}
+        values = {
+            "token_accuracy": self.accuracy(logits, targets),
+            "perplexity": math.exp(float(logits[:, 2].sum()) / tokens),
+        }
+        return {name: values[name] for name in self.names}
+
+
+def _unused(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    raise AssertionError("LanguageModelTask computes its metrics itself")
 
 
 def _metric(index: int, entry: Any, multilabel: bool) -> tuple[str, MetricFn]:  # noqa: ANN401

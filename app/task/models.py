@@ -120,8 +120,15 @@ _MODELS: Registry[Callable[[ModelConfig, DataSpec], nn.Module]] = Registry(
         "resnet18": lambda cfg, spec: resnet18_small(spec),
         "torchvision": torchvision_model,
         "custom": custom_model,
+        "hf": lambda cfg, spec: _hf_model(cfg, spec),
     },
 )
+
+
+def _hf_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
+    from app.task.hf import hf_model  # transformers: imported only for model=hf
+
+    return hf_model(cfg, spec)
 
 
 def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
@@ -131,9 +138,11 @@ def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
 
 def model_key(cfg: ModelConfig) -> str:
     """The config key that chose the model, for messages."""
-    return {"custom": f"model._target_={cfg.target}", "torchvision": f"model.arch={cfg.arch}"}.get(
-        cfg.name, f"model.name={cfg.name}"
-    )
+    return {
+        "custom": f"model._target_={cfg.target}",
+        "torchvision": f"model.arch={cfg.arch}",
+        "hf": f"model.path={cfg.path}" if cfg.path else "model=hf (model.config)",
+    }.get(cfg.name, f"model.name={cfg.name}")
 
 
 def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, inputs: torch.Tensor) -> None:
@@ -151,6 +160,15 @@ def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, inputs: torch
         ) from err
     finally:
         model.train(was_training)
+    if spec.causal_lm:
+        ok = isinstance(out, torch.Tensor) and tuple(out.shape[:2]) == tuple(inputs.shape) and out.dim() == 3
+        if not ok or out.shape[2] < spec.num_classes:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(
+                f"{model_key(cfg)} maps token blocks {tuple(inputs.shape)} to {got}; expected N x T x vocabulary "
+                f"with a vocabulary of at least the {spec.num_classes} token ids the data uses"
+            )
+        return
     expected = (len(inputs), spec.num_classes)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -198,6 +216,12 @@ def trainable_keys(model: nn.Module, prefixes: list[str]) -> list[str]:
     """The state_dict keys trained, sent and aggregated (`model.trainable`; [] = all). A prefix
     that covers no parameter is refused with the model's top-level modules named."""
     keys = list(model.state_dict())
+    if getattr(model, "adapted", False):  # peft froze the base: its adapters are what trains
+        from app.task.hf import adapter_keys
+
+        if prefixes:
+            raise ConfigError("model.trainable: model.peft=lora chooses what trains (its adapters); leave it []")
+        return adapter_keys(model)  # type: ignore[arg-type]
     if not prefixes:
         return keys
     params = [n for n, _ in model.named_parameters()]

@@ -499,9 +499,10 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
                     scaler.update()
                     skipped += scaler._scale < scale  # noqa: SLF001
                 if steps.weight > 0:  # a DDP rank's stand-in for an empty slice is not tallied
+                    kept, kept_y = steps.task.keep(logits, yb)
                     losses.append(loss)
-                    outputs.append(logits)
-                    labels.append(yb)
+                    outputs.append(kept)
+                    labels.append(kept_y)
             wall = clock.stop()
     finally:
         steps.close()
@@ -578,6 +579,7 @@ def evaluate(
         on_device = to_device(data, device)
         loss_sum = torch.zeros((), device=device)
         outputs: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
         start = 0
         while start < len(data):
             try:
@@ -592,7 +594,9 @@ def evaluate(
                 release(device)
                 continue
             loss_sum += task.loss(logits, yb).float() * len(yb)
-            outputs.append(logits)
+            kept, kept_y = task.keep(logits, yb)
+            outputs.append(kept)
+            targets.append(kept_y)
             start += len(yb)
         loss = float(loss_sum) / len(data)
-        return loss, task.metrics(torch.cat(outputs).cpu(), data.y)
+        return loss, task.metrics(torch.cat(outputs).cpu(), torch.cat(targets).cpu())
