@@ -1,0 +1,215 @@
+"""Transformers as models (model=hf), text data (dataset=text) and LoRA adapters (issue 35).
+
+Models are built from a config (conf/model/hf_tiny.yaml) and tokenized with ByT5's byte
+tokenizer, so nothing is downloaded; the corpus is scikit-learn's dataset descriptions
+(scripts/text_corpus.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import Message
+
+from app.config.compose import load_config
+from app.config.schema import ConfigError, DatasetConfig, ModelConfig, PartitionConfig, TaskConfig
+from app.protocol import ARRAYS, BASE_DIGEST
+from app.task.data import DataSpec, Examples, partition_indices
+from app.task.hf import base_digest, check_base, hf_model, load_tokenizer
+from app.task.metrics import LanguageModelTask, Task
+from app.task.text import read_texts, text_source, tokenize
+from app.task.training import evaluate, resolve_precision
+from app.tools.in_process import run_in_process
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from text_corpus import write_files, write_labelled  # noqa: E402
+
+DOCS = ["iris", "wine_data", "diabetes", "digits"]
+LM = "model=hf_tiny task=causal_lm dataset=text dataset.block_size=64 partition=by_file train.epochs=1 train.optimizer=adamw"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("corpus")
+    write_files(out, DOCS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("labelled")
+    write_labelled(out, DOCS)
+    return out
+
+
+def _lm_config(corpus: Path, extra: str = "") -> tuple:
+    cfg, _ = load_config(f"{LM} dataset.path={corpus} dataset.cache_dir=null {extra}")
+    return cfg
+
+
+def test_causal_blocks_predict_every_token_once_and_never_across_files(corpus: Path) -> None:
+    cfg = DatasetConfig(name="text", path=str(corpus), block_size=16, cache_dir=None)
+    texts = read_texts(cfg, str(corpus))
+    tok = load_tokenizer(ModelConfig(name="hf"))
+    arrays = tokenize(texts, tok, cfg, causal=True)
+    x, y, groups = arrays["x"], arrays["y"], arrays["groups"]
+    assert x.shape == y.shape and x.shape[1] == 16
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+    for g, f in enumerate(texts.files):  # a file's blocks, joined, are its tokens in order
+        ids = tok(Path(f).read_text(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows = np.flatnonzero(groups == g)
+        joined = np.concatenate([x[rows].reshape(-1), y[rows][-1:, -1]])
+        np.testing.assert_array_equal(joined, ids[: len(joined)])
+        assert len(ids) - len(joined) < 16  # only a tail shorter than a block is dropped
+
+
+def test_tokens_are_cached_and_the_cache_is_what_tokenizing_gives(corpus: Path, tmp_path: Path, monkeypatch) -> None:
+    cfg = DatasetConfig(name="text", path=str(corpus), block_size=32, cache_dir=str(tmp_path))
+    first = text_source(cfg, ModelConfig(name="hf"), causal=True)
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+    import app.task.text as text
+
+    monkeypatch.setattr(text, "_blocks", lambda *a: pytest.fail("tokenized again despite the cache"))
+    again = text_source(cfg, ModelConfig(name="hf"), causal=True)
+    np.testing.assert_array_equal(first.x, again.x)
+    np.testing.assert_array_equal(first.labels, again.labels)
+
+
+def test_by_file_gives_each_partition_one_whole_file(corpus: Path) -> None:
+    cfg = DatasetConfig(name="text", path=str(corpus), block_size=32, cache_dir=None)
+    src = text_source(cfg, ModelConfig(name="hf"), causal=True)
+    part = PartitionConfig(name="by_file")
+    seen = []
+    for p in range(len(DOCS)):
+        idx = partition_indices(src.groups, len(DOCS), p, part, 42)
+        files = set(src.groups[idx].tolist())
+        assert len(files) == 1 and (src.groups == files.pop()).sum() == len(idx)
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(len(src.groups)))
+    with pytest.raises(ConfigError, match="one partition per file: the data has 4 file"):
+        partition_indices(src.groups, 3, 0, part, 42)
+
+
+def test_language_model_metrics_are_exact_whatever_the_batch() -> None:
+    torch.manual_seed(0)
+    logits, targets = torch.randn(10, 7, 30), torch.randint(0, 30, (10, 7))
+    targets[0, :3] = -100  # positions without a next token are ignored
+    task = LanguageModelTask(["token_accuracy", "perplexity"])
+    valid = targets != -100
+    nll = F.cross_entropy(logits[valid], targets[valid])
+    acc = float((logits.argmax(-1)[valid] == targets[valid]).float().mean())
+
+    class Identity(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return logits[x[:, 0]]
+
+    data = Examples(torch.arange(10)[:, None].repeat(1, 7), targets)
+    for batch in (10, 3):
+        _, metrics = evaluate(Identity(), data, resolve_precision("off", torch.device("cpu")), task, batch_size=batch)
+        assert metrics["token_accuracy"] == pytest.approx(acc)
+        assert metrics["perplexity"] == pytest.approx(math.exp(float(nll)), rel=1e-6)
+
+
+def test_a_lora_federation_sends_only_adapters_learns_and_exports_loadable_models(corpus: Path, tmp_path: Path) -> None:
+    sent_keys: set[str] = set()
+
+    def tamper(node: int, reply: Message) -> Message:
+        if reply.metadata.message_type == "train" and not reply.has_error():
+            sent_keys.update(reply.content.array_records[ARRAYS].keys())
+        return reply
+
+    overrides = f"{LM} dataset.path={corpus} dataset.cache_dir={tmp_path / 'tok'} federation.rounds=3 train.lr=0.003"
+    summary, grid = run_in_process(overrides, tmp_path / "runs", nodes=4, tamper=tamper)
+    assert summary["status"] == "completed"
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
+    assert all(math.isclose(r["perplexity"], math.exp(r["loss"]), rel_tol=1e-5) for r in rows)
+    assert sent_keys and all("lora_" in k for k in sent_keys)  # the base never travels
+
+    cfg = _lm_config(corpus)
+    spec = DataSpec((64,), 259, causal_lm=True)
+    hf_dir = Path(summary["run_dir"]) / "hf"
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    final = torch.load(Path(summary["run_dir"]) / "model_final.pt", weights_only=True)
+    ours = hf_model(cfg.model, spec)
+    ours.load_state_dict(final)
+    ours.eval()
+    ids = torch.randint(0, 259, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ours(ids)
+        base = hf_model(ModelConfig(**{**vars(cfg.model), "peft": "none"}), spec).inner
+        adapted = PeftModel.from_pretrained(base, str(hf_dir / "adapter")).eval()
+        merged = AutoModelForCausalLM.from_pretrained(str(hf_dir / "merged")).eval()
+        torch.testing.assert_close(adapted(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_node_with_another_base_refuses_to_train() -> None:
+    spec = DataSpec((16,), 259, causal_lm=True)
+    cfg = ModelConfig(
+        name="hf",
+        config={
+            "model_type": "llama",
+            "vocab_size": 259,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+        },
+        peft="lora",
+    )
+    a, b = hf_model(cfg, spec), hf_model(cfg, spec)
+    frozen = {k: v for k, v in a.state_dict().items() if "lora_" not in k}
+    assert base_digest(frozen) == base_digest({k: v for k, v in b.state_dict().items() if "lora_" not in k})
+    check_base(frozen, base_digest(frozen), cfg)  # the same base: accepted
+    other = dict(frozen)
+    key = next(k for k in other if k.endswith("embed_tokens.weight"))
+    other[key] = other[key].clone()
+    other[key][0, 0] += 1e-3
+    with pytest.raises(ValueError, match=f"has digest {base_digest(other)}, the server's has {base_digest(frozen)}"):
+        check_base(other, base_digest(frozen), cfg)
+    assert BASE_DIGEST.startswith("model.")
+
+
+def test_sequence_classification_federation_reports_accuracy(labelled: Path, tmp_path: Path) -> None:
+    overrides = (
+        f"model=hf_tiny task=sequence_classification dataset=text dataset.path={labelled} dataset.block_size=96 "
+        f"dataset.cache_dir=null federation.rounds=2 train.epochs=1 train.optimizer=adamw train.lr=0.003"
+    )
+    summary, _ = run_in_process(overrides, tmp_path / "runs", nodes=2)
+    assert summary["status"] == "completed" and 0.0 <= summary["final_metric"] <= 1.0
+    assert summary["primary_metric"] == "accuracy"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ("model=hf_tiny task=causal_lm", "model=hf reads token ids: use dataset=text"),
+        ("model=hf_tiny", "model=hf needs task.type=causal_lm or sequence_classification"),
+        ("task=causal_lm", "task.type=causal_lm needs model=hf"),
+        ("{lm} task.metrics=[perplexity,token_accuracy]", "perplexity is lower-is-better"),
+        ("{lm} partition=dirichlet", "task.type=causal_lm has no labels to skew"),
+        ("{lm} task.metrics=[accuracy]", "task.type=causal_lm reports token_accuracy, perplexity"),
+        ("partition=by_file", "partition=by_file splits text files"),
+    ],
+)
+def test_text_settings_that_do_not_fit_are_refused(corpus: Path, overrides: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem.replace("[", r"\[").replace(".", r"\.")):
+        load_config(overrides.format(lm=f"{LM} dataset.path={corpus}"))
+
+
+def test_task_from_config_picks_the_language_model_task() -> None:
+    task = Task.from_config(
+        TaskConfig(type="causal_lm", metrics=["token_accuracy"]), DataSpec((8,), 10, causal_lm=True)
+    )
+    assert isinstance(task, LanguageModelTask) and task.primary == "token_accuracy"
