@@ -49,6 +49,7 @@ from app.protocol import (
     RECEIPT_HASH,
     RECEIPT_REPLY,
     RECEIPT_STEP,
+    ROUNDS_KEY,
     SERVER_ROUND,
     STATE_DIR,
     STEPS,
@@ -84,6 +85,7 @@ from app.task.training import (
     prepare_model,
     resolve_device,
     resolve_precision,
+    round_lr,
     train,
     with_layout,
 )
@@ -164,6 +166,10 @@ def prepare_job(msg: Message, context: Context) -> Job:
     train_data, val_data = node_data(context, settings, spec)
     model = build_model(settings.model, spec)
     freeze(model, settings.model.trainable)  # before Opacus's fix, as on the server
+    if settings.train.gradient_checkpointing:
+        from app.task.checkpointing import enable_checkpointing
+
+        log.debug("gradient checkpointing: %s", enable_checkpointing(model))
     local_dp = settings.privacy.name == "local"
     if local_dp:
         from app.privacy.dp_sgd import make_private_compatible  # imported here: Opacus adds ~1.4 s to a process start
@@ -384,7 +390,9 @@ def train_handler(msg: Message, context: Context) -> Message:
     if malicious and attack.name == "label_flip":
         train_data = Examples(train_data.x, flip_labels(train_data.y, job.spec.num_classes))
     global_state = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()} if malicious else {}
-    cfg = replace(settings.train, batch_size=node_batch_size(job, context, train_data))
+    rounds = int(job.record.get(ROUNDS_KEY, 0))
+    lr = round_lr(settings.train, int(job.record.get(SERVER_ROUND, 0)), rounds)
+    cfg = replace(settings.train, batch_size=node_batch_size(job, context, train_data), lr=lr)
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if job.local_dp:
             from app.privacy.accounting import history_key

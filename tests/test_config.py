@@ -37,7 +37,7 @@ def test_overrides_string_is_applied():
     ("overrides", "words"),
     [
         ("strategy=fedprox", ["strategy='fedprox'", "allowed: ", "fedavg, fedbuff"]),
-        ("model=vit", ["model='vit'", "cnn, custom, resnet18, torchvision"]),
+        ("model=vit", ["model='vit'", "cnn, custom, hf, hf_tiny, resnet18, torchvision"]),
         ("dataset=imagenet", ["dataset='imagenet'", "digits"]),
         ("train.lr=0", ["train.lr=0", "> 0"]),
         ("train.lr=-0.1", ["train.lr=-0.1", "> 0"]),

@@ -99,3 +99,16 @@ def test_torchvision_example_learns_the_digits(tmp_path):
         torch.set_num_threads(threads)
     assert summary["status"] == "completed"
     assert summary["final_accuracy"] > 0.3  # ten classes: chance is 0.1
+
+
+def test_lora_example_preset_runs_on_the_corpus_the_docs_write(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the preset's corpus: ~/fedgpu-runs/examples/corpus
+    corpus = tmp_path / "fedgpu-runs" / "examples" / "corpus"
+    subprocess.run([sys.executable, "scripts/text_corpus.py", "--out", str(corpus)], check=True, capture_output=True)
+    cfg = load_config("+example=lora")[0]
+    assert (cfg.model.name, cfg.task.type, cfg.dataset.path) == ("hf", "causal_lm", str(corpus))
+    summary = run_in_process("+example=lora federation.rounds=2 dataset.cache_dir=null", tmp_path / "runs", nodes=3)[0]
+    assert summary["status"] == "completed" and summary["primary_metric"] == "token_accuracy"

@@ -213,3 +213,21 @@ def test_task_from_config_picks_the_language_model_task() -> None:
         TaskConfig(type="causal_lm", metrics=["token_accuracy"]), DataSpec((8,), 10, causal_lm=True)
     )
     assert isinstance(task, LanguageModelTask) and task.primary == "token_accuracy"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "strategy=median",
+        "strategy=fedbuff federation.rounds=3",
+        "privacy=central privacy.noise_multiplier=0.1 privacy.clip_norm=1.0",
+        "privacy=local train.batch_size=16",
+        "compression=int8",
+        "model.peft=none",
+    ],
+)
+def test_adapters_compose_with_the_rest_of_the_app(corpus: Path, tmp_path: Path, extra: str) -> None:
+    overrides = f"{LM} dataset.path={corpus} dataset.cache_dir={tmp_path} federation.rounds=2 train.lr=0.003 {extra}"
+    summary, _ = run_in_process(overrides, tmp_path / "runs", nodes=4)
+    assert summary["status"] == "completed"
+    assert (Path(summary["run_dir"]) / "hf" / "merged").is_dir()

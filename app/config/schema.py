@@ -38,6 +38,7 @@ TASK_TYPES = ("classification", "causal_lm", "sequence_classification")
 BUILTIN_METRICS = ("accuracy", "balanced_accuracy", "f1_macro", "auroc")
 LM_METRICS = ("token_accuracy", "perplexity")  # task.type=causal_lm (app/task/metrics.py)
 OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
 AMP_PRECISIONS = ("fp16", "bf16", "off")  # what train.amp resolves to on a device (app.task.training)
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 AMP_MODES = ("auto", *AMP_PRECISIONS)
@@ -192,6 +193,13 @@ class TrainConfig:
     channels_last: str = "auto"  # auto: on CUDA for models without GroupNorm
     cudnn_benchmark: bool = False  # cuDNN autotuning; every batch shape is warmed up outside the timer
     deterministic: bool = False  # bit-identical reruns on one GPU: deterministic kernels, no autotuning
+    # Memory and schedule (app/task/training.py, app/task/checkpointing.py):
+    gradient_checkpointing: bool = False  # recompute activations in backward: transformers' switch, or block-wise
+    grad_accum_steps: int = 1  # batches whose gradients add up to one optimizer step
+    max_steps: int = 0  # optimizer steps per round instead of epochs; 0 = train.epochs passes
+    lr_schedule: str = "constant"  # constant | cosine: the lr of round r, stepped by the node from the round number
+    warmup_rounds: int = 0  # cosine: rounds of linear warm-up before the decay
+    min_lr_ratio: float = 0.0  # cosine: the last round's lr as a fraction of train.lr
 
 
 @dataclass(unsafe_hash=True)

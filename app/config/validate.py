@@ -24,6 +24,7 @@ from app.config.schema import (
     FLEET_SPEEDS,
     LEDGERS,
     LM_METRICS,
+    LR_SCHEDULES,
     MODELS,
     OPTIMIZERS,
     PARTITIONS,
@@ -230,6 +231,25 @@ def validate(cfg: Config) -> Config:
 
     t = cfg.train
     p.require(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
+    p.require(t.grad_accum_steps >= 1, "train.grad_accum_steps", t.grad_accum_steps, "must be >= 1")
+    p.require(t.max_steps >= 0, "train.max_steps", t.max_steps, "must be >= 0 (0 = train.epochs passes)")
+    p.one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    p.require(t.warmup_rounds >= 0, "train.warmup_rounds", t.warmup_rounds, "must be >= 0")
+    p.require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    if cfg.privacy.name == "local":
+        p.require(
+            not t.gradient_checkpointing,
+            "train.gradient_checkpointing",
+            True,
+            "not with privacy=local: Opacus's per-example gradient hooks would see every recomputed block twice",
+        )
+        for key, value, neutral in (("grad_accum_steps", t.grad_accum_steps, 1), ("max_steps", t.max_steps, 0)):
+            p.require(
+                value == neutral,
+                f"train.{key}",
+                value,
+                "not with privacy=local: DP-SGD's steps are Poisson batches planned and accounted from train.epochs",
+            )
     p.require(
         t.batch_size == "auto" or (type(t.batch_size) is int and t.batch_size >= 1),
         "train.batch_size",

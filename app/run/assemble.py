@@ -252,7 +252,11 @@ def start_clock(
 
     def work(partition: int, kind: str) -> float:
         train, validation = sizes(partition)
-        return {MessageType.TRAIN: train * cfg.train.epochs, MessageType.EVALUATE: validation}.get(kind, 0)
+        t = cfg.train
+        examples = train * t.epochs
+        if t.max_steps and isinstance(t.batch_size, int):  # train.max_steps: that many steps, not epochs
+            examples = t.max_steps * t.grad_accum_steps * min(t.batch_size, train)
+        return {MessageType.TRAIN: examples, MessageType.EVALUATE: validation}.get(kind, 0)
 
     log.info("fleet %s on a virtual clock: %s", fleet.name, describe(profiles))
     summary = {

@@ -81,12 +81,11 @@ class DdpSteps(Steps):
         cuda = precision.device.type == "cuda"
         self.net = DistributedDataParallel(model, device_ids=[precision.device] if cuda else None)
 
-    def batches(self, n: int) -> Iterator[torch.Tensor]:
-        for _ in range(self.cfg.epochs):
-            for idx in batch_indices(n, self.cfg.batch_size, self.generator, self.precision.device):
-                mine = idx[self.rank :: self.world]
-                self.weight = len(mine) * self.world / len(idx)
-                yield mine if len(mine) else idx[:1]
+    def epoch(self, n: int) -> Iterator[torch.Tensor]:
+        for idx in batch_indices(n, self.cfg.batch_size, self.generator, self.precision.device):
+            mine = idx[self.rank :: self.world]
+            self.weight = len(mine) * self.world / len(idx)
+            yield mine if len(mine) else idx[:1]
 
     def batch_sizes(self, n: int) -> list[int]:
         return [max(1, len(range(self.rank, size, self.world))) for size in super().batch_sizes(n)]
@@ -157,6 +156,10 @@ def _rank_main(
         precision = replace(work.precision, device=device)
         model = build_model(work.model, work.spec)
         freeze(model, work.model.trainable)
+        if work.train.gradient_checkpointing:
+            from app.task.checkpointing import enable_checkpointing
+
+            enable_checkpointing(model)
         model.load_state_dict(state)
         model = prepare_model(model, precision)
         torch.manual_seed(work.seed)

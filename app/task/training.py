@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -138,6 +139,19 @@ def use_channels_last(model: nn.Module, setting: str, device: torch.device, imag
 def with_layout(precision: Precision, model: nn.Module, setting: str, images: bool = True) -> Precision:
     """`precision` with the memory layout `use_channels_last` picks for `model` (and the data)."""
     return replace(precision, channels_last=use_channels_last(model, setting, precision.device, images))
+
+
+def round_lr(cfg: TrainConfig, rnd: int, rounds: int) -> float:
+    """The learning rate of round `rnd` (1-based) of `rounds` (`train.lr_schedule`): constant, or
+    linear warm-up over `warmup_rounds` then a cosine from `lr` (the first round after warm-up)
+    down to `lr * min_lr_ratio` (the last round). Nodes step it from the round number alone."""
+    if cfg.lr_schedule == "constant" or rnd < 1:
+        return cfg.lr
+    if rnd <= cfg.warmup_rounds:
+        return cfg.lr * rnd / cfg.warmup_rounds
+    progress = min(1.0, (rnd - cfg.warmup_rounds - 1) / max(1, rounds - cfg.warmup_rounds - 1))
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def prepare_model(model: nn.Module, precision: Precision) -> nn.Module:
@@ -337,9 +351,24 @@ class Steps:
             raise TypeError(f"train.batch_size={cfg.batch_size!r}: resolve 'auto' first (app.task.batch_size)")
 
     def batches(self, n: int) -> Iterator[torch.Tensor]:
-        """Index tensors on the device, one per step, drawn with `generator`."""
-        for _ in range(self.cfg.epochs):
-            yield from batch_indices(n, self.cfg.batch_size, self.generator, self.precision.device)
+        """Index tensors on the device, one per forward and backward pass, drawn with `generator`:
+        `train.epochs` passes over the data, or with `train.max_steps` that many optimizer steps
+        (each `train.grad_accum_steps` batches), as many passes as they take."""
+        if not self.cfg.max_steps:
+            for _ in range(self.cfg.epochs):
+                yield from self.epoch(n)
+            return
+        left = self.cfg.max_steps * self.cfg.grad_accum_steps
+        while left:
+            for idx in self.epoch(n):
+                yield idx
+                left -= 1
+                if not left:
+                    return
+
+    def epoch(self, n: int) -> Iterator[torch.Tensor]:
+        """One pass over the data in seeded batches."""
+        yield from batch_indices(n, self.cfg.batch_size, self.generator, self.precision.device)
 
     def batch_sizes(self, n: int) -> list[int]:
         """Every size `batches` yields (as `batch_indices` cuts them), for the warm-up."""
@@ -414,15 +443,35 @@ def warm_up(steps: Steps, data: Examples) -> None:
         log.info("warm-up ran out of memory on a batch of %d: the loop will split it", size)
 
 
+def accumulation_groups(batches: Iterator[torch.Tensor], k: int) -> Iterator[tuple[torch.Tensor, float, bool, bool]]:
+    """(batch, its share of the group's loss, first of its group, last of its group) for groups of
+    `k` batches whose gradients make one optimizer step (`train.grad_accum_steps`); the last group
+    may be shorter. k = 1: every batch is its own step, as without accumulation."""
+    if k == 1:
+        for idx in batches:
+            yield idx, 1.0, True, True
+        return
+    listed = list(batches)  # index tensors: cheap to hold, and the last group's size must be known
+    for start in range(0, len(listed), k):
+        group = listed[start : start + k]
+        for i, idx in enumerate(group):
+            yield idx, 1.0 / len(group), i == 0, i == len(group) - 1
+
+
 def accumulate(
-    steps: Steps, data: Examples, idx: torch.Tensor, micro: int | None, scaler: torch.amp.GradScaler | None
+    steps: Steps,
+    data: Examples,
+    idx: torch.Tensor,
+    micro: int | None,
+    scaler: torch.amp.GradScaler | None,
+    share: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of the batch `idx` in micro-batches of `micro` examples (None: the
     whole batch at once, as before any out-of-memory error), each loss
     weighted by its share of the batch, so the gradients add up to the whole batch's (the task's
     loss is a batch mean), times `steps.weight`. One micro-batch of weight 1 (the usual case)
     is the plain step, bit for bit. Returns the batch's mean loss and its logits."""
-    chunks, weight = (idx,) if micro is None else idx.split(micro), steps.weight
+    chunks, weight = (idx,) if micro is None else idx.split(micro), steps.weight * share
     parts = [forward_backward(steps, data.x[c], data.y[c], weight * len(c) / len(idx), scaler) for c in chunks]
     loss = parts[0][0] if len(parts) == 1 else torch.stack([loss for loss, _ in parts]).sum()
     logits = parts[0][1] if len(parts) == 1 else torch.cat([logits for _, logits in parts])
@@ -435,13 +484,29 @@ def smaller_micro_batch(steps: Steps, micro: int | None, batch: int, err: BaseEx
     current = batch if micro is None else min(micro, batch)
     if not is_oom(err):
         raise err
-    if steps.unsplittable:
-        err.add_note(f"{steps.unsplittable}: lower train.batch_size")
+    if steps.unsplittable or steps.cfg.grad_accum_steps > 1:
+        why = steps.unsplittable or "with train.grad_accum_steps > 1 a batch is not split after out-of-memory"
+        err.add_note(f"{why}: lower train.batch_size")
         raise err
     if current <= 1:
         err.add_note("out of memory with one example per micro-batch: the model does not fit this node's memory")
         raise err
     return current // 2
+
+
+def optimizer_step(steps: Steps, scaler: torch.amp.GradScaler | None) -> torch.Tensor | int:
+    """The optimizer step after `before_step`; with fp16's GradScaler, 1 on the device when the
+    scaler skipped it (it tells only by lowering its scale, and reading that with get_scale()
+    would synchronise every step, so it is compared on the device), else 0."""
+    if scaler is None:
+        steps.before_step(None)
+        steps.optimizer.step()
+        return 0
+    steps.before_step(scaler)
+    scale = scaler._scale.clone()  # noqa: SLF001 - set by scale() in the backward pass
+    scaler.step(steps.optimizer)
+    scaler.update()
+    return scaler._scale < scale  # noqa: SLF001
 
 
 def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | None = None) -> TrainStats:
@@ -469,15 +534,16 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
             if device.type == "cuda":
                 warm_up(steps, on_device)
             clock.start()
-            for idx in steps.batches(len(data)):
+            for idx, share, first, last in accumulation_groups(steps.batches(len(data)), steps.cfg.grad_accum_steps):
                 taken += 1
-                optimizer.zero_grad(set_to_none=True)
+                if first:
+                    optimizer.zero_grad(set_to_none=True)
                 if len(idx) == 0:
                     steps.empty_step()
                     continue
                 while True:
                     try:
-                        loss, logits = accumulate(steps, on_device, idx, micro, scaler)
+                        loss, logits = accumulate(steps, on_device, idx, micro, scaler, share)
                         break
                     except Exception as err:  # noqa: BLE001 - anything but out-of-memory is re-raised
                         micro = smaller_micro_batch(steps, micro, len(idx), err)
@@ -487,17 +553,8 @@ def fit(steps: Steps, data: Examples, scaler_state: dict[str, float | int] | Non
                     retries += 1
                     log.warning("out of memory on a batch of %d: retrying in micro-batches of %d", len(idx), micro)
                 yb = on_device.y[idx]
-                if scaler is None:
-                    steps.before_step(None)
-                    optimizer.step()
-                else:
-                    steps.before_step(scaler)
-                    # GradScaler tells a skipped step only by lowering its scale; reading it
-                    # with get_scale() would synchronise every step, so compare on the device.
-                    scale = scaler._scale.clone()  # noqa: SLF001 - set by scale() above
-                    scaler.step(optimizer)
-                    scaler.update()
-                    skipped += scaler._scale < scale  # noqa: SLF001
+                if last:  # a group's gradients add up before its one step
+                    skipped += optimizer_step(steps, scaler)
                 if steps.weight > 0:  # a DDP rank's stand-in for an empty slice is not tallied
                     kept, kept_y = steps.task.keep(logits, yb)
                     losses.append(loss)
