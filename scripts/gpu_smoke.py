@@ -671,6 +671,43 @@ def check_bf16_choice(ctx: Ctx, fig: dict[str, Any]) -> None:
     expect((amp == "bf16") == (capability >= (8, 0)) and amp in ("bf16", "fp16"), f"capability {capability} -> {amp}")
 
 
+def check_lora_checkpointing(ctx: Ctx, fig: dict[str, Any]) -> None:
+    """model=hf with LoRA (a 2-layer Llama from a config) under amp auto: a finite loss that falls
+    over 3 epochs, and gradient checkpointing trains the same adapters (issue 35's CUDA path)."""
+    from app.config.schema import TaskConfig
+    from app.task.checkpointing import enable_checkpointing
+    from app.task.metrics import Task
+
+    tiny = {
+        "model_type": "llama",
+        "vocab_size": 259,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+    }
+    spec = DataSpec((128,), 259, causal_lm=True)
+    x = torch.randint(0, 259, (32, 128), generator=torch.Generator().manual_seed(0))
+    data = Examples(x, torch.roll(x, -1, 1))
+    task = Task.from_config(TaskConfig(type="causal_lm", metrics=["token_accuracy"]), spec)
+    precision = resolve_precision("auto", ctx.device)
+    states, losses = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(name="hf", config=tiny, peft="lora"), spec)
+        if checkpointing:
+            enable_checkpointing(model)
+        model = prepare_model(model, precision)
+        cfg = TrainConfig(epochs=3, batch_size=8, lr=0.01, optimizer="adamw", device=str(ctx.device))
+        losses.append(train(model, data, cfg, precision, seed=0, task=task).loss)
+        states.append({n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad})
+    diff = max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0])
+    fig.update(amp=precision.amp, losses=losses, max_abs_diff=diff, headline=f"{precision.amp}, diff {diff:.2e}")
+    expect(all(math.isfinite(v) for v in losses), f"losses {losses}")
+    expect(diff < 1e-2, f"checkpointing changed the trained adapters by {diff}")
+
+
 def check_rng_resume_fewer_gpus(ctx: Ctx, fig: dict[str, Any]) -> None:
     """A checkpoint holding device_count()+3 CUDA RNG states restores without raising."""
     needs_gpu(ctx, "CUDA RNG states")
@@ -860,6 +897,7 @@ CHECKS: dict[str, Callable[[Ctx, dict[str, Any]], None]] = {
     "threads_share_gpu": check_threads_share_gpu,
     "deterministic": check_deterministic,
     "bf16_choice": check_bf16_choice,
+    "lora_checkpointing": check_lora_checkpointing,
     "rng_resume_fewer_gpus": check_rng_resume_fewer_gpus,
     "local_dp": check_local_dp,
     "client_loop_vs_plain": check_client_loop_vs_plain,
