@@ -22,12 +22,13 @@ CHECKS = (
     "threads_share_gpu",
     "deterministic",
     "bf16_choice",
+    "lora_checkpointing",
     "rng_resume_fewer_gpus",
     "local_dp",
     "client_loop_vs_plain",
     "hidden_gpu_notice",
 )
-PROVEN_ON_CPU = ("deterministic", "local_dp", "amp_modes")
+PROVEN_ON_CPU = ("deterministic", "local_dp", "amp_modes", "lora_checkpointing")
 
 
 def test_gpu_smoke_on_the_cpu_passes_what_it_can_and_says_why_it_skipped_the_rest(tmp_path):
