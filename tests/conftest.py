@@ -98,7 +98,10 @@ SLOW_TESTS: dict[str, set[str]] = {
     # timeline), central DP (the budget stop), local DP (client epsilon), compression (uplink
     # and downlink), the ledger (one run, verified and tampered with), and every unit test.
     # Measured: docs/testing.md#default-run-timing.
-    "test_transformers": {"test_adapters_compose_with_the_rest_of_the_app"},  # six federations
+    "test_transformers": {  # federations beyond the one LoRA run and the one classifier
+        "test_adapters_compose_with_the_rest_of_the_app",
+        "test_a_lora_run_resumes_from_its_checkpoint",
+    },
     "test_attacks": {"test_inflated_counts_leave_capped_fedavg_and_multikrum_near_the_clean_run"},
     "test_examples": {  # each example's whole federation in process (tens of seconds to minutes)
         "test_breast_cancer_example_ranks_tumours_well",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +232,50 @@ def test_adapters_compose_with_the_rest_of_the_app(corpus: Path, tmp_path: Path,
     summary, _ = run_in_process(overrides, tmp_path / "runs", nodes=4)
     assert summary["status"] == "completed"
     assert (Path(summary["run_dir"]) / "hf" / "merged").is_dir()
+
+
+def test_a_saved_dataset_and_a_nodes_own_files_read_like_text_files(labelled: Path, tmp_path: Path) -> None:
+    import datasets
+
+    rows = [json.loads(line) for line in (labelled / "texts.jsonl").read_text().splitlines()]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    cfg = DatasetConfig(name="text", block_size=48, cache_dir=None)
+    from_files = text_source(replace(cfg, path=str(labelled)), ModelConfig(name="hf"), causal=False)
+    from_saved = text_source(replace(cfg, path=str(saved)), ModelConfig(name="hf"), causal=False)
+    np.testing.assert_array_equal(from_files.x, from_saved.x)
+    np.testing.assert_array_equal(from_files.labels, from_saved.labels)
+    from app.task.data import load_local_data  # a deployed node's data-path
+
+    own = load_local_data(cfg, str(labelled / "texts.jsonl"), 42, ModelConfig(name="hf"), "sequence_classification")
+    np.testing.assert_array_equal(own.x, from_files.x)
+
+
+def test_exported_text_partitions_tokenize_back_to_the_same_rows(labelled: Path, tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from export_partitions import export_partitions
+
+    overrides = (
+        f"model=hf_tiny task=sequence_classification dataset=text dataset.path={labelled} dataset.block_size=48 "
+        "dataset.cache_dir=null"
+    )
+    paths = export_partitions(tmp_path / "parts", 3, overrides)
+    cfg = DatasetConfig(name="text", block_size=48, cache_dir=None)
+    rows = [text_source(replace(cfg, path=str(p)), ModelConfig(name="hf"), causal=False) for p in paths]
+    cfg_full, _ = load_config(overrides)
+    from app.task.data import load_splits
+
+    train_rows = load_splits(cfg_full.dataset, cfg_full.seed, cfg_full.model, "sequence_classification")[0]
+    together = np.concatenate([r.x for r in rows])
+    assert len(together) == len(train_rows.x)
+    key = lambda a: sorted(map(tuple, a.tolist()))  # noqa: E731
+    assert key(together) == key(train_rows.x)  # every training row, once, byte for byte
+
+
+def test_a_lora_run_resumes_from_its_checkpoint(corpus: Path, tmp_path: Path) -> None:
+    base = f"{LM} dataset.path={corpus} dataset.cache_dir={tmp_path / 'tok'} train.lr=0.003 name=lora resume=auto"
+    first, _ = run_in_process(f"{base} federation.rounds=2", tmp_path / "runs", nodes=4)
+    resumed, _ = run_in_process(f"{base} federation.rounds=3", tmp_path / "runs", nodes=4)
+    assert resumed["status"] == "completed" and resumed["rounds_completed"] == 3
+    whole, _ = run_in_process(f"{LM} dataset.path={corpus} train.lr=0.003 federation.rounds=3", tmp_path / "w", nodes=4)
+    assert resumed["final_metric"] == pytest.approx(whole["final_metric"], abs=1e-9)  # the same run, in two parts

@@ -259,7 +259,9 @@ def write_jsonl(path: Path, x: np.ndarray, y: np.ndarray, model: ModelConfig, cf
     with path.open("w", encoding="utf-8") as f:
         for row, target in zip(x, y, strict=True):
             ids = np.append(row, target[-1]) if causal else row[row != PAD]
-            line = {cfg.text_key: tokenizer.decode(ids.tolist(), skip_special_tokens=False)}
+            # A row's special tokens come back when the node tokenizes it; a block's end-of-text
+            # tokens between texts are content.
+            line = {cfg.text_key: tokenizer.decode(ids.tolist(), skip_special_tokens=not causal)}
             if not causal:
                 line[cfg.label_key] = int(target)
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
