@@ -279,3 +279,23 @@ def test_the_readmes_fedbuff_example_reaches_its_target_sooner_in_simulated_time
         assert summary["stop_reason"].startswith("target accuracy"), summary["stop_reason"]
         times.append(rows[-1]["sim_time_s"])
     assert 2 * times[1] <= times[0], times
+
+
+def test_flwr_run_fine_tunes_a_transformer_with_lora_on_text_files(flwr_env: dict[str, str], tmp_path: Path) -> None:
+    """docs/own-task.md's transformer command through Flower's simulation: one file a node,
+    only adapters travel, and the run ends with the transformers directories."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from text_corpus import write_files
+
+    corpus = tmp_path / "corpus"
+    write_files(corpus, ["iris", "wine_data", "diabetes"])
+    overrides = (
+        f"model=hf_tiny task=causal_lm dataset=text dataset.path={corpus} dataset.block_size=64 "
+        f"dataset.cache_dir={tmp_path / 'tokens'} partition=by_file train.optimizer=adamw train.lr=0.003 "
+        "train.epochs=1 federation.rounds=3"
+    )
+    summary, rows = _finished_run(flwr_env, tmp_path / "runs", overrides, FEDERATION)
+    assert summary["primary_metric"] == "token_accuracy" and rows[-1]["loss"] < rows[0]["loss"]
+    assert all(Path(p).is_dir() for p in summary["final_model_hf"])
