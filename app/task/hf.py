@@ -153,16 +153,6 @@ def adapter_keys(model: TextModel) -> list[str]:
     return [k for k in model.state_dict() if k in names]
 
 
-def check_vocabulary(model: TextModel, cfg: ModelConfig, spec: DataSpec) -> None:
-    """The model's embedding must cover every token id the data uses (checked before round 1)."""
-    size = model.inner.get_input_embeddings().num_embeddings
-    if spec.causal_lm and size < spec.num_classes:
-        raise ConfigError(
-            f"model=hf has {size} token embeddings, but the data uses token ids up to {spec.num_classes - 1}: "
-            "the tokenizer (model.tokenizer_path) does not belong to this model"
-        )
-
-
 def base_digest(state: dict[str, torch.Tensor]) -> str:
     """blake2b of the frozen tensors (names, dtypes, shapes and bytes, in name order)."""
     h = hashlib.blake2b(digest_size=16)
