@@ -279,3 +279,14 @@ def test_a_lora_run_resumes_from_its_checkpoint(corpus: Path, tmp_path: Path) ->
     assert resumed["status"] == "completed" and resumed["rounds_completed"] == 3
     whole, _ = run_in_process(f"{LM} dataset.path={corpus} train.lr=0.003 federation.rounds=3", tmp_path / "w", nodes=4)
     assert resumed["final_metric"] == pytest.approx(whole["final_metric"], abs=1e-9)  # the same run, in two parts
+
+
+def test_a_vocabulary_smaller_than_the_datas_tokens_is_refused_before_round_1() -> None:
+    from app.task.models import check_fits
+
+    small = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}  # fmt: skip
+    cfg = ModelConfig(name="hf", config=small)
+    spec = DataSpec((8,), 259, causal_lm=True)
+    with pytest.raises(ConfigError, match="vocabulary of at least the 259 token ids"):
+        check_fits(hf_model(cfg, spec), cfg, spec, torch.zeros(2, 8, dtype=torch.long))
