@@ -435,6 +435,11 @@ class DPFedBuff(FedBuff):
 
     one_update_per_node = "central-DP"
 
+    @property
+    def streams(self) -> bool:
+        """Gathered: the release (`dp.release`) clips each buffered update with the others; not folded."""
+        return False
+
     def __init__(
         self,
         *,

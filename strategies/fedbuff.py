@@ -14,6 +14,10 @@ median, trimmed mean) instead of the weighted mean: the rules work on updates
 against each one's own base version (`ValidReply.base`), so the staleness bound and
 the robust rule hold together.
 
+With `federation.aggregation` streaming (`streamed`), the weighted mean is folded as updates
+enter the buffer (`streaming.UpdateFold`): a buffered update keeps only its weight and metrics,
+whatever K (docs/strategies.md#server-memory).
+
 Flower's `Strategy.start` is a synchronous round loop; `run` is the asynchronous one,
 built on `grid.push_messages` / `grid.pull_messages`, with at most one message in
 flight per node. Error replies (a ClientApp crash, an expired TTL, a node the
@@ -58,6 +62,7 @@ from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import StalenessFn
+from strategies.streaming import UpdateFold
 from strategies.tensor_ops import NON_FINITE_STEP, Part, TensorDict, finite_step, record_to_tensors, tensors_to_record
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -250,6 +255,10 @@ class FedBuff(Strategy):
         self._specs: dict[str, ArraySpec] = {}
         self._arrays = ArrayRecord()
         self._models: dict[int, TensorDict] = {}  # version -> global model, while some task or update needs it
+        # federation.aggregation chose streaming (app/run/memory.py): each accepted update is folded into
+        # `_fold` as it enters the buffer, which then keeps only its weight and metrics.
+        self.streamed = False
+        self._fold: UpdateFold | None = None
 
     # How the server's run drives this strategy (app/run/federation.py): `run`, one callback per version.
     name = "FedBuff"
@@ -294,9 +303,14 @@ class FedBuff(Strategy):
             f"{cohort} nodes train at once ({num_nodes} nodes, strategy.concurrency={self.concurrency})"
         )
 
+    @property
+    def streams(self) -> bool:
+        """The weighted mean folds; a robust rule compares the K updates, so it holds them."""
+        return self.buffer_rule is None
+
     def held_replies(self, num_nodes: int, streamed: bool) -> int:
-        """The buffer: K replies, each with its own base (streaming does not apply: K is the choice)."""
-        return self.buffer_size
+        """The buffer: K replies, each with its own base; none when the mean is streamed (`UpdateFold`)."""
+        return 0 if streamed and self.streams else self.buffer_size
 
     def run_summary(self) -> dict[str, Any]:
         """Strategy-specific entries of summary.json."""
@@ -458,6 +472,11 @@ class FedBuff(Strategy):
             # A robust rule counts Byzantine *nodes*: one fast attacker must not fill the
             # buffer, so a node's newer update replaces its older one.
             self.buffer = [r for r in self.buffer if r.node_id != node]
+        if self.streamed:
+            if self._fold is None:
+                self._fold = UpdateFold(self._models[self.version], self.device)
+            self._fold.add(valid.arrays, base, valid.weight)
+            valid.arrays, valid.base = {}, None  # folded: only its weight and metrics stay for the report
         self.buffer.append(valid)
 
     def settle(self, replies: Iterable[Message]) -> None:
@@ -501,6 +520,8 @@ class FedBuff(Strategy):
     def _aggregate_buffer(self, current: TensorDict, buffer: list[ValidReply]) -> BufferStep:
         """The combined update of `buffer`: weighted mean, or the robust rule's."""
         lr = self.server_lr
+        if self._fold is not None:  # streamed: the replies are gone, so no per-reply parts (finite_step)
+            return BufferStep(self._fold.mean(), [])
         if self.buffer_rule is None:
             total = float(sum(r.weight for r in buffer))
             update = weighted_update_mean(
@@ -571,6 +592,7 @@ class FedBuff(Strategy):
             warn_rejected(item.node_id, reason, self.wiring.names)
         gone = {id(item) for item, _ in dropped}
         buffer = [r for r in self.buffer if id(r) not in gone]
+        self._fold = None
         if new is None:
             log.warning("version %d: %s; keeping the global model", self.version + 1, NON_FINITE_STEP)
             self.buffer = []

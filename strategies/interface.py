@@ -85,6 +85,8 @@ class BufferStrategy(ServerStrategy, Protocol):
     tasks_sent: int
     server_lr: float
     report: Any  # fedbuff.VersionReport of the last version
+    streams: bool  # whether the buffer can be folded as updates enter it (the weighted mean)
+    streamed: bool  # set before `run` when federation.aggregation chose streaming (app/run/memory.py)
     last_base: TensorDict  # the last version's base and buffer (contribution scores)
     last_buffer: list[ValidReply]
 

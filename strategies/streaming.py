@@ -66,3 +66,29 @@ class MeanFold:
             out[k] = (acc if ref.is_floating_point() else acc.round()).to(ref.dtype)
             del acc
         return out
+
+
+class UpdateFold:
+    """Σ wᵢ·(xᵢ − baseᵢ) / Σ wᵢ over updates added one at a time, in float64, on `device`: FedBuff's
+    mean buffer streamed. Each reply trained from its own base version, so the update is taken at
+    entry and neither the reply nor its base is kept; the accumulator is one float64 model whatever K.
+    """
+
+    def __init__(self, ref: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        self.ref, self.device = ref, device
+        self.acc: TensorDict = {k: torch.zeros(t.shape, dtype=torch.float64, device=device) for k, t in ref.items()}
+        self.total = 0.0  # Σ wᵢ
+
+    def add(self, model: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], weight: float) -> None:
+        """acc += weight · (model − base), a screened, finite reply against the version it trained from."""
+        for k, acc in self.acc.items():
+            (m, b) = stage([{k: model[k]}, {k: base[k]}], self.device)
+            acc.add_(m[k], alpha=weight).sub_(b[k], alpha=weight)
+        self.total += weight
+
+    def mean(self) -> TensorDict:
+        """The weighted mean update in FedBuff's update dtypes (float32; float64 for integer tensors)."""
+        return {
+            k: (acc / self.total).to(torch.float32 if self.ref[k].is_floating_point() else torch.float64)
+            for k, acc in self.acc.items()
+        }

@@ -5,10 +5,12 @@ held, whatever the cohort), and a strategy that must hold the cohort is refused 
 from __future__ import annotations
 
 import gc
+import math
 import random
 import tracemalloc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,15 +18,20 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from app.compression.packing import pack, unpack
+from app.config.compose import load_config
 from app.config.schema import CompressionConfig, Config, ConfigError
 from app.run.memory import STREAM_ABOVE_BYTES, streams
+from app.run.results import read_rows
 from app.simulation.messages import make_reply
+from app.tools.in_process import run_in_process
 from strategies.central_dp import CentralDP, DPFedAvg
 from strategies.fedavg import FedAvg
+from strategies.fedbuff import FedBuff, InFlight
 from strategies.krum import KrumRule
 from strategies.replies import specs_of
 from strategies.robust import RobustStrategy
 from strategies.settings import ReplyLimits
+from strategies.staleness import staleness_fn
 from strategies.tensor_ops import record_to_tensors
 
 # float64 folding in arrival order against float32 summing in send order: a float32 ulp or two.
@@ -234,3 +241,124 @@ def test_auto_streams_only_large_cohorts_and_gather_is_refused_above_the_cap():
     assert streams(_config(server_memory_gb=0.01), fedavg, 5, 2**20 * 4) is True  # 20 MiB > the 10 MiB cap
     with pytest.raises(ConfigError, match="with federation.aggregation=gather"):
         streams(_config(aggregation="gather", server_memory_gb=0.01), fedavg, 5, 2**20 * 4)
+
+
+# --- FedBuff's mean buffer ------------------------------------------------------------
+def _fedbuff(streamed: bool, model: dict[str, np.ndarray], **kwargs) -> FedBuff:
+    """A FedBuff at version 2 with versions 0-2 known, as a run with tasks out on each leaves it."""
+    strategy = FedBuff(staleness=staleness_fn("polynomial", 0.5), max_staleness=10, **kwargs)
+    strategy.streamed = streamed
+    for v in range(3):
+        strategy.set_model(ArrayRecord({k: Array(x) for k, x in _version(model, v).items()}), v)
+    return strategy
+
+
+def _version(model: dict[str, np.ndarray], v: int) -> dict[str, np.ndarray]:
+    """Version v of the global model: the floating-point tensors moved by 0.01·v."""
+    return {k: x + np.float32(0.01 * v) if x.dtype.kind == "f" else x.copy() for k, x in model.items()}
+
+
+def _fedbuff_replies(rng: np.random.Generator, model: dict[str, np.ndarray], n: int) -> list[tuple[int, Message]]:
+    """(base version, reply) of n tasks, each trained from a version 0-2."""
+    out = []
+    for i in range(n):
+        version = i % 3
+        arrays = _trained(rng, _version(model, version), i)
+        out.append((version, make_reply(i + 1, arrays, {"num-examples": 3 + i, "loss": float(i)})))
+    return out
+
+
+def _feed(strategy: FedBuff, replies: list[tuple[int, Message]]) -> list[ArrayRecord | None]:
+    """Send each task, then hand its reply over; the models of the versions stepped to."""
+    for version, reply in replies:
+        node = reply.metadata.src_node_id
+        strategy.in_flight[reply.metadata.reply_to_message_id] = InFlight(node, version, deadline=math.inf)
+    return [strategy.aggregate_train(strategy.version, [reply])[0] for _, reply in replies]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_streamed_fedbuff_buffer_equals_the_gathered_step(rng, momentum):
+    """Staleness weights, each update against its own base, server lr and momentum over three flushes."""
+    model = _model(rng)
+    replies = _fedbuff_replies(rng, model, 9)
+    kwargs = {"buffer_size": 3, "server_lr": 0.7, "server_momentum": momentum}
+    gathered, streamed = _fedbuff(False, model, **kwargs), _fedbuff(True, model, **kwargs)
+    out_g, out_s = _feed(gathered, replies), _feed(streamed, replies)
+    assert [a is None for a in out_g] == [a is None for a in out_s] == [True, True, False] * 3
+    assert gathered.version == streamed.version == 5
+    for a, b in zip(out_g, out_s, strict=True):
+        if a is not None:
+            for key in a:
+                x, y = a[key].numpy(), b[key].numpy()
+                assert x.dtype == y.dtype
+                np.testing.assert_allclose(y, x, rtol=RTOL, atol=ATOL, err_msg=key)
+    assert streamed.report.applied == gathered.report.applied
+    assert streamed.report.metrics["loss"] == pytest.approx(gathered.report.metrics["loss"], rel=1e-12)
+
+
+def test_a_streamed_fedbuff_rejects_a_non_finite_reply_at_entry(rng):
+    model = _model(rng)
+    replies = _fedbuff_replies(rng, model, 4)
+    bad = {**_trained(rng, model, 9), "w": np.full_like(model["w"], np.nan)}
+    replies.insert(1, (2, make_reply(30, bad, {"num-examples": 5})))
+    strategy = _fedbuff(True, model, buffer_size=3)
+    out = _feed(strategy, replies)
+    assert [a is None for a in out] == [True, True, True, False, True]  # the NaN reply never entered
+    assert [r.node_id for r in strategy.report.rejected] == [30] and len(strategy.buffer) == 1
+    assert strategy.version == 3 and all(np.isfinite(out[3][k].numpy()).all() for k in out[3])
+
+
+def test_a_streamed_fedbuff_buffer_holds_no_reply_arrays(rng):
+    """Counted: once folded, a buffered reply's arrays and its base are released (K does not matter)."""
+    model = {**_model(rng), "w": rng.normal(size=(64, 64)).astype(np.float32)}
+    strategy = _fedbuff(True, model, buffer_size=50)
+    alive: list[weakref.ref] = []
+    gc.disable()  # freed by reference counts alone
+    try:
+        for version, reply in _fedbuff_replies(rng, model, 12):
+            alive.append(weakref.ref(reply.content["arrays"]))
+            _feed(strategy, [(version, reply)])
+            del reply
+    finally:
+        gc.enable()
+    assert len(strategy.buffer) == 12 and strategy.version == 2
+    assert all(r.arrays == {} and r.base is None for r in strategy.buffer)
+    assert sum(r() is not None for r in alive) == 0
+    assert strategy._fold.acc.keys() == model.keys()  # one float64 model, whatever K
+
+
+def test_fedbuff_streams_its_mean_buffer_only():
+    mean = FedBuff(staleness=staleness_fn("constant"), buffer_size=40)
+    robust = FedBuff(staleness=staleness_fn("constant"), buffer_size=40, buffer_rule=KrumRule(num_byzantine=1))
+    small = STREAM_ABOVE_BYTES // 10
+    assert streams(_config(), mean, 50, small) is True  # K x model > 1 GiB: auto streams
+    assert streams(_config(), FedBuff(staleness=staleness_fn("constant"), buffer_size=3), 50, small) is False
+    assert mean.held_replies(50, streamed=True) == 0 and robust.held_replies(50, streamed=True) == 40
+    with pytest.raises(ConfigError, match="FedBuff must hold them all"):
+        streams(_config(server_memory_gb=1.0), robust, 50, small)
+
+
+def test_a_streamed_fedbuff_run_equals_the_gathered_run(tmp_path):
+    """The same in-process federation (sequential nodes, so the same arrival order) gathered and streamed."""
+    runs = {}
+    for mode in ("gather", "stream"):
+        summary, _ = run_in_process(
+            "strategy=fedbuff train.epochs=1 seed=5 strategy.buffer_size=3 strategy.server_momentum=0.5 "
+            f"federation.rounds=4 federation.aggregation={mode} name={mode}",
+            tmp_path,
+            nodes=4,
+            workers=0,
+        )
+        assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+        runs[mode] = (read_rows(summary["run_dir"]), torch.load(Path(summary["run_dir"]) / "model_final.pt"))
+    (rows_g, final_g), (rows_s, final_s) = runs["gather"], runs["stream"]
+    assert [r["applied"] for r in rows_s] == [r["applied"] for r in rows_g]
+    for key, x in final_g.items():
+        torch.testing.assert_close(final_s[key], x, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("extra", ["strategy.buffer_aggregator=median", "privacy=central"])
+def test_fedbuff_stream_is_refused_for_a_robust_or_dp_buffer(extra):
+    load_config("strategy=fedbuff federation.aggregation=stream")  # the mean buffer streams
+    with pytest.raises(ConfigError, match="streams only its plain mean buffer"):
+        load_config(f"strategy=fedbuff federation.aggregation=stream {extra}")

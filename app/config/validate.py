@@ -336,6 +336,14 @@ def validate(cfg: Config) -> Config:
             f"ledger.contribution={cfg.ledger.contribution} scores every reply against the others, so the round "
             "must gather them; use auto or gather",
         )
+        p.require(
+            cfg.strategy.name != "fedbuff"
+            or (cfg.strategy.buffer_aggregator == "mean" and not cfg.privacy.name.startswith("central")),
+            "federation.aggregation",
+            f.aggregation,
+            "strategy=fedbuff streams only its plain mean buffer (a robust buffer_aggregator compares the K updates, "
+            "central DP clips each in its release); use auto or gather",
+        )
     p.require(f.server_memory_gb >= 0, "federation.server_memory_gb", f.server_memory_gb, "must be >= 0 (0 = no cap)")
     _validate_task(p, cfg)
 

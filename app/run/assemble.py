@@ -351,6 +351,8 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring))
     check_cohort(cfg, strategy, len(nodes))
     streamed = streams(cfg, strategy, len(nodes), sum(len(a.data) for a in arrays.values()))
+    if strategy.asynchronous:  # FedBuff folds its mean buffer itself (`FedBuff.streamed`)
+        strategy.streamed = streamed and strategy.streams
     clock, fleet_summary = None, None
     if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
         clock, fleet_summary = start_clock(cfg, fleet, grid, nodes, partitions, key, strategy.asynchronous)

@@ -30,7 +30,7 @@ def streams(cfg: Config, strategy: ServerStrategy, num_nodes: int, model_bytes: 
     `model_bytes`: one reply's trainable tensors (what a reply carries uncompressed)."""
     f = cfg.federation
     cap = f.server_memory_gb * GIB
-    can_stream = not strategy.asynchronous and bool(getattr(strategy, "streams", False))
+    can_stream = bool(getattr(strategy, "streams", False))  # FedBuff: its mean buffer (`UpdateFold`)
     contributions = cfg.ledger.contribution != "none"  # scores need every reply: validate refuses stream
     gathered = strategy.held_replies(num_nodes, streamed=False) * model_bytes
     chosen = f.aggregation == "stream" or (
