@@ -50,6 +50,7 @@ from app.protocol import (
     RECEIPT_REPLY,
     RECEIPT_STEP,
     ROUNDS_KEY,
+    SECAGG,
     SERVER_ROUND,
     STATE_DIR,
     STEPS,
@@ -374,9 +375,9 @@ def keep_receipt(record: dict, context: Context) -> None:
     _keep_line(context, line)
 
 
-@app.train()
-@released
-def train_handler(msg: Message, context: Context) -> Message:
+def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor], dict[str, Any], int]:
+    """Train on a task: the job, the tensors the server aggregates (after any simulated attack),
+    the reply's metrics and the task's seed."""
     job = prepare_job(msg, context)
     keep_receipt(job.record, context)
     settings, attack = job.settings, job.settings.attack
@@ -444,10 +445,69 @@ def train_handler(msg: Message, context: Context) -> Message:
     state = {k: trained[k].detach().cpu().contiguous() for k in job.sent_keys}  # frozen tensors stay here
     if malicious and attack.name in MODEL_POISONING:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
+    return job, state, metrics, seed
+
+
+@app.train()
+@released
+def train_handler(msg: Message, context: Context) -> Message:
+    job, state, metrics, seed = trained(msg, context)
     arrays = reply_arrays(job, state, context, seed, metrics)
     remember_reply(arrays, job.record, context)
     content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics), **about_node(context)})
     return Message(content=content, reply_to=msg)
+
+
+# secagg=plus (app/secagg/node.py): the four stages of SecAgg+, the third one training.
+# What a masked reply leaves in the clear: telemetry, never a statistic of the node's data.
+SECAGG_HIDDEN = frozenset({NUM_EXAMPLES, STEPS, *TRAIN_METRICS[:2]})
+
+
+@app.query("secagg_keys")
+def secagg_keys_handler(msg: Message, context: Context) -> Message:
+    from app.secagg.node import advertise
+
+    reply = advertise(msg.content[SECAGG], context, msg.metadata.dst_node_id)
+    return Message(content=RecordDict({SECAGG: reply}), reply_to=msg)
+
+
+@app.query("secagg_shares")
+def secagg_shares_handler(msg: Message, context: Context) -> Message:
+    from app.secagg.node import share
+
+    return Message(content=RecordDict({SECAGG: share(msg.content[SECAGG], context)}), reply_to=msg)
+
+
+@app.train("secagg")
+@released
+def secagg_train_handler(msg: Message, context: Context) -> Message:
+    """Train, then send only the masked ring vector (its shares are checked before training)."""
+    from flwr.app import Array
+
+    from app.protocol import SECAGG_MODULUS
+    from app.secagg.encode import node_vector
+    from app.secagg.node import mask, receive_shares
+    from app.secagg.server import MASKED
+
+    record = msg.content[SECAGG]
+    state = receive_shares(record, context)
+    job, tensors, metrics, seed = trained(msg, context)
+    loss, accuracy = float(metrics.get(TRAIN_METRICS[0], 0.0)), float(metrics.get(TRAIN_METRICS[1], 0.0))
+    generator = torch.Generator().manual_seed(seed)
+    vector = node_vector(tensors, job.received, int(metrics[NUM_EXAMPLES]), loss, accuracy, record, generator)
+    masked = mask(state, vector, int(record[SECAGG_MODULUS]), context)
+    clear = {k: v for k, v in metrics.items() if k not in SECAGG_HIDDEN}
+    content = RecordDict(
+        {ARRAYS: ArrayRecord({MASKED: Array(masked)}), METRICS: MetricRecord(clear), **about_node(context)}
+    )
+    return Message(content=content, reply_to=msg)
+
+
+@app.query("secagg_unmask")
+def secagg_unmask_handler(msg: Message, context: Context) -> Message:
+    from app.secagg.node import reveal
+
+    return Message(content=RecordDict({SECAGG: reveal(msg.content[SECAGG], context)}), reply_to=msg)
 
 
 @app.evaluate()

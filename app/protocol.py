@@ -58,6 +58,23 @@ RECEIPT_STEP = "ledger-receipt-step"
 RECEIPT_HASH = "ledger-receipt-hash"
 RECEIPT_REPLY = "ledger-receipt-reply-sha256"
 
+# secagg=plus (app/secagg/): the ConfigRecord of each stage's task and reply, and the four message
+# types (`<category>.<action>`, routed by the ClientApp's named handlers). A training task's record
+# also carries the ring and what the node adds to its vector: SECAGG_* below.
+SECAGG = "secagg"
+SECAGG_KEYS = "query.secagg_keys"
+SECAGG_SHARES = "query.secagg_shares"
+SECAGG_TRAIN = "train.secagg"
+SECAGG_UNMASK = "query.secagg_unmask"
+SECAGG_MODULUS = "modulus"
+SECAGG_QUANTIZATION = "quantization"
+SECAGG_CLIPPING = "clipping"
+SECAGG_EXTRAS = "extras"  # the ring vector's extra coordinates (app/secagg/ring.py)
+SECAGG_MAX_WEIGHT = "max-weight"  # a node's weight is min(examples, this) / this
+SECAGG_CLIP_NORM = "clip-norm"  # distributed DP: the L2 bound of the update (0: none)
+SECAGG_NOISE = "noise-variance"  # distributed DP: this node's Skellam variance, in ring units squared (0: none)
+SECAGG_COUNT_NOISE = "count-noise-variance"  # distributed adaptive DP: the same for the unclipped count
+
 # --- Reply metrics: the keys of a reply's MetricRecord (METRICS) ---------------------------------
 # Every key a ClientApp reply may carry. The server averages them into a row's `train` and
 # `federated_eval` sections (strategies/replies.py: weighted_metrics), so each is also a key there.

@@ -19,7 +19,10 @@ BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
 STRAGGLERS = ("none", "fixed", "lognormal")
 FLEET_SPEEDS = ("uniform", "fixed", "lognormal", "devices")  # app/simulation/fleet.py
 AVAILABILITY = ("always", "bernoulli", "trace")
-PRIVACY = ("none", "central", "central_adaptive", "local")
+PRIVACY = ("none", "central", "central_adaptive", "local", "distributed", "distributed_adaptive")
+DISTRIBUTED_PRIVACY = ("distributed", "distributed_adaptive")  # need secagg=plus: each node noises its own update
+SECAGGS = ("none", "plus")  # secagg.name (app/secagg/)
+SECAGG_POLICIES = ("skip", "stop")  # secagg.on_too_few: an aborted round keeps the model, or ends the run
 ROBUST_POLICIES = POLICIES
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")  # app/compression/codecs.py
 DOWNLINKS = ("none", "fp16", "delta")  # app/compression/downlink.py
@@ -59,6 +62,8 @@ ROW_COLUMNS = (
     # privacy (app/run/privacy.py: each mode's row)
     "epsilon", "clip_norm", "releases", "noised_unclipped_fraction", "clipped_fraction",
     "client_epsilon_max", "client_epsilon_mean", "dp_history_rejected",
+    # secure aggregation (app/secagg/strategy.py: SecureFedAvg.row)
+    "secagg",
 )  # fmt: skip
 
 
@@ -232,6 +237,20 @@ class MonitoringConfig:
 
 
 @dataclass(unsafe_hash=True)
+class SecAggConfig:
+    """Secure aggregation: SecAgg+ between the ServerApp and the ClientApps (app/secagg/)."""
+
+    name: str = "none"  # none | plus
+    threshold: int = 0  # t: shares that rebuild a secret; 0 = ceil(2(k+1)/3) + 1 of a neighbourhood of k + 1
+    degree: int = 0  # k: neighbours each node shares with and masks against; 0 = all up to 16 nodes, else ~4 log2 n
+    clipping_range: float = 8.0  # each coordinate of a weighted update is clipped to +-this before quantizing
+    quantization_range: int = 4_194_304  # 2^22 steps over [-clipping_range, clipping_range]
+    modulus_range: int = 4_294_967_296  # the ring Z_M (a power of two; 2^16 or less: 2 bytes a coordinate)
+    max_weight: int = 0  # a node's weight is min(examples, this) / this; 0 = federation.max_examples_per_node
+    on_too_few: str = "skip"  # skip | stop: a round with fewer than t survivors keeps the model, or ends the run
+
+
+@dataclass(unsafe_hash=True)
 class LedgerConfig:
     """The hash-chained contribution ledger, <run>/ledger.jsonl (app/ledger/)."""
 
@@ -358,6 +377,7 @@ class Config:
     attack: AttackConfig = field(default_factory=AttackConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)

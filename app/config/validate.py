@@ -29,8 +29,11 @@ from app.config.schema import (
     OPTIMIZERS,
     PARTITIONS,
     PEFT_METHODS,
+    DISTRIBUTED_PRIVACY,
     PRIVACY,
     ROBUST_POLICIES,
+    SECAGG_POLICIES,
+    SECAGGS,
     ROBUST_RULES,
     ROW_COLUMNS,
     STRAGGLERS,
@@ -182,6 +185,7 @@ def validate(cfg: Config) -> Config:
     p.require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")
 
     _validate_privacy(p, cfg)
+    _validate_secagg(p, cfg)
 
     g = cfg.stragglers
     p.one_of("stragglers.name", g.name, STRAGGLERS)
@@ -675,6 +679,71 @@ def _validate_privacy(p: Problems, cfg: Config) -> None:
             "privacy.noise_multiplier",
             dp.noise_multiplier,
             "local DP-SGD needs noise > 0 or privacy.target_epsilon > 0",
+        )
+
+
+def _validate_secagg(p: Problems, cfg: Config) -> None:
+    """secagg=plus and what it composes with: whatever needs one node's update in the clear is refused."""
+    sa, dp = cfg.secagg, cfg.privacy
+    if not p.one_of("secagg.name", sa.name, SECAGGS):
+        return
+    if sa.name == "none":
+        p.require(
+            dp.name not in DISTRIBUTED_PRIVACY,
+            "privacy.name",
+            dp.name,
+            "distributed DP has each node noise its own update, which only hides it inside a secure sum: set secagg=plus",
+        )
+        return
+    why = "the server sees only the sum of the round's updates under secure aggregation"
+    p.require(
+        cfg.strategy.name == "fedavg",
+        "strategy.name",
+        cfg.strategy.name,
+        f"{why}: a robust rule (and FedBuff's buffer) needs each update in the clear; use strategy=fedavg",
+    )
+    p.require(
+        not dp.name.startswith("central"),
+        "privacy.name",
+        dp.name,
+        f"{why}, so it cannot clip and noise each one: use privacy=distributed (each node clips and adds its share "
+        "of the noise) or distributed_adaptive",
+    )
+    p.require(
+        cfg.ledger.contribution == "none",
+        "ledger.contribution",
+        cfg.ledger.contribution,
+        f"{why}: per-node scores need each update; the ledger records the round's survivors and the sum's hash",
+    )
+    p.require(
+        cfg.compression.name in ("none", "int8") and cfg.compression.downlink == "none",
+        "compression",
+        f"{cfg.compression.name}/{cfg.compression.downlink}",
+        "the ring fixes what a masked update takes on the wire: compression=int8 quantizes once into a 2-byte "
+        "ring; other codecs (and a compressed downlink, which changes each node's base) are refused",
+    )
+    p.require(sa.threshold >= 0, "secagg.threshold", sa.threshold, "must be >= 2, or 0 for the default")
+    p.require(sa.threshold != 1, "secagg.threshold", sa.threshold, "one share would reveal a secret: use >= 2")
+    p.require(sa.degree >= 0, "secagg.degree", sa.degree, "must be >= 1, or 0 for the default")
+    p.require(sa.clipping_range > 0, "secagg.clipping_range", sa.clipping_range, "must be > 0")
+    p.require(sa.quantization_range >= 2, "secagg.quantization_range", sa.quantization_range, "must be >= 2")
+    p.require(
+        sa.modulus_range >= 4 and sa.modulus_range & (sa.modulus_range - 1) == 0 and sa.modulus_range <= 2**62,
+        "secagg.modulus_range",
+        sa.modulus_range,
+        "must be a power of two in [4, 2^62] (masks are uniform in Z_M only for a power of two)",
+    )
+    p.require(sa.max_weight >= 0, "secagg.max_weight", sa.max_weight, "must be >= 1, or 0 = federation.max_examples_per_node")
+    p.one_of("secagg.on_too_few", sa.on_too_few, SECAGG_POLICIES)
+    if dp.name in DISTRIBUTED_PRIVACY:
+        p.require(
+            dp.noise_multiplier > 0, "privacy.noise_multiplier", dp.noise_multiplier, "distributed DP needs noise > 0"
+        )
+        p.require(
+            dp.clip_norm <= sa.clipping_range,
+            "privacy.clip_norm",
+            dp.clip_norm,
+            f"must be <= secagg.clipping_range={sa.clipping_range}, the largest coordinate the ring carries",
         )
 
 

@@ -39,6 +39,7 @@ from app.run.factory import (
     central_dp,
     check_cohort,
     downlink_encoder,
+    secure_aggregation,
     example_cap,
     global_model,
     partition_sizes,
@@ -331,7 +332,10 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     first_round = ckpt.round + 1 if ckpt is not None else 1
 
     dp = central_dp(cfg)
-    privacy = run_privacy(cfg, dp, partitions, _run_state(ckpt), names)
+    dim = sum(a.numpy().size for a in arrays.values() if np.issubdtype(a.numpy().dtype, np.floating))
+    largest = max(partition_sizes(cfg, key, len(nodes))(i)[0] for i in range(len(nodes))) if simulated and cfg.secagg.name != "none" else None
+    secagg, distributed = secure_aggregation(cfg, dim, largest)
+    privacy = run_privacy(cfg, dp or distributed, partitions, _run_state(ckpt), names)
     node_config = privacy.node_config()
     receipts = Receipts() if cfg.ledger.name == "on" else None
     if receipts is not None:
@@ -348,7 +352,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         node_config=node_config,
         names=names,
     )
-    strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring))
+    strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring, secagg, distributed))
     check_cohort(cfg, strategy, len(nodes))
     streamed = streams(cfg, strategy, len(nodes), sum(len(a.data) for a in arrays.values()))
     if strategy.asynchronous:  # FedBuff folds its mean buffer itself (`FedBuff.streamed`)

@@ -17,10 +17,13 @@ from flwr.app import ArrayRecord, MessageType, MetricRecord
 from app.compression.downlink import Downlink
 from app.compression.packing import NodeModel, unpack
 from app.config.registry import Registry
-from app.config.schema import PRIVACY, ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
+from app.config.schema import DISTRIBUTED_PRIVACY, PRIVACY, ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
 from app.privacy.accounting import Prescription
 from app.protocol import PARTITION_ID
-from app.run.privacy import CentralPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
+from app.run.privacy import CentralPrivacy, DistributedPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
+from app.secagg.dp import DistributedDP
+from app.secagg.ring import Ring
+from app.secagg.strategy import SecAggSettings, SecureFedAvg
 from app.task.data import DataSpec, partition_indices, validation_size
 from app.task.models import build_model, check_fits, freeze, load_init_weights
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
@@ -79,6 +82,37 @@ def central_dp(cfg: Config) -> CentralDP | None:
     )
 
 
+def secure_aggregation(
+    cfg: Config, dim: int, largest_partition: int | None
+) -> tuple[SecAggSettings | None, DistributedDP | None]:
+    """secagg=plus's settings and, with privacy=distributed*, its DP plan (None, None: secagg=none).
+    The weights' cap: secagg.max_weight, else the largest simulated partition (the server knows
+    them: no weight is cut, and the smallest keep their precision in the ring), else
+    federation.max_examples_per_node."""
+    sa = cfg.secagg
+    if sa.name == "none":
+        return None, None
+    ring = Ring(sa.clipping_range, sa.quantization_range, sa.modulus_range)
+    cap = sa.max_weight or largest_partition or cfg.federation.max_examples_per_node
+    settings = SecAggSettings(ring, sa.threshold, sa.degree, float(cap), sa.on_too_few)
+    p = cfg.privacy
+    if p.name not in DISTRIBUTED_PRIVACY:
+        return settings, None
+    dp = DistributedDP(
+        noise_multiplier=p.noise_multiplier,
+        clip_norm=p.clip_norm,
+        delta=p.delta,
+        ring=ring,
+        dim=dim,
+        max_epsilon=p.max_epsilon,
+        adaptive=p.name == "distributed_adaptive",
+        target_quantile=p.target_quantile,
+        clip_lr=p.clip_lr,
+        count_noise=p.count_noise,
+    )
+    return settings, dp
+
+
 def sampling_of(cfg: Config) -> Sampling:
     """Who a round asks, how long it waits for them, and the strategy sampler's seed."""
     f = cfg.federation
@@ -101,10 +135,14 @@ class StrategyParts:
     dp: CentralDP | None
     limits: ReplyLimits
     wiring: TaskWiring
+    secagg: SecAggSettings | None = None  # secagg=plus
+    distributed: DistributedDP | None = None  # privacy=distributed*: each node's noise and the accountant
 
 
 def _fedavg(cfg: Config, parts: StrategyParts) -> FedAvg:
     common: dict[str, Any] = {"sampling": sampling_of(cfg), "limits": parts.limits, "wiring": parts.wiring}
+    if parts.secagg is not None:
+        return SecureFedAvg(secagg=parts.secagg, dp=parts.distributed, device=parts.device, **common)
     if parts.dp is None:
         return FedAvg(device=parts.device, **common)
     return DPFedAvg(dp=parts.dp, poisson=cfg.privacy.poisson_sampling, device=parts.device, **common)
@@ -253,15 +291,28 @@ def _central_privacy(
     return CentralPrivacy(dp, cfg.privacy.report_exact)
 
 
+def _distributed_privacy(
+    cfg: Config, dp: CentralDP | DistributedDP | None, partitions: PartitionBinding, state: dict, names: NodeNames
+) -> RunPrivacy:
+    assert isinstance(dp, DistributedDP)  # secure_aggregation(cfg, ...) for a distributed privacy.name
+    return DistributedPrivacy(dp)
+
+
 _PRIVACY: Registry[Callable[..., RunPrivacy]] = Registry(
     "privacy.name",
     PRIVACY,
-    {"none": _no_privacy, "local": _local_privacy, "central": _central_privacy, "central_adaptive": _central_privacy},
+    {
+        "none": _no_privacy,
+        "local": _local_privacy,
+        "central": _central_privacy,
+        "central_adaptive": _central_privacy,
+        **dict.fromkeys(DISTRIBUTED_PRIVACY, _distributed_privacy),
+    },
 )
 
 
 def run_privacy(
-    cfg: Config, dp: CentralDP | None, partitions: PartitionBinding, state: dict[str, Any], names: NodeNames
+    cfg: Config, dp: CentralDP | DistributedDP | None, partitions: PartitionBinding, state: dict[str, Any], names: NodeNames
 ) -> RunPrivacy:
     """The run's privacy book-keeping for `privacy.name`, chosen once: the loops, the strategy's
     weight cap (`screening`) and its per-node task keys (`node_config`) ask it, never the name."""

@@ -28,9 +28,10 @@ from app.ledger.chain import model_digest
 from app.run.arrivals import ReplyFacts, noted, pull_replies
 from app.run.assemble import Run, assemble
 from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
-from app.run.ledger_entries import attach_scores, round_nodes, version_nodes
+from app.run.ledger_entries import attach_scores, round_nodes, secure_nodes, version_nodes
 from app.run.results import read_summary
-from app.run.rows import reply_metrics, reported, round_row, traffic, version_row
+from app.run.rows import reply_metrics, reported, round_row, secure_row, secure_traffic, traffic, version_row
+from app.secagg.server import Outcome
 from app.task.training import evaluate
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
@@ -66,6 +67,7 @@ class FederatedRun:
         self.recorder, self.monitor, self.ledger, self.scores = run.recorder, run.monitor, run.ledger, run.scores
         self.clock, self.task = run.clock, run.task
         self.stop_reason = "rounds"
+        self.secure_outcome: Outcome | None = None  # the last secure round's (SecAgg+), until its row is written
         self.named_attackers: set[int] = set()  # malicious partitions whose node the log has named
         # The ledger's last model hash: each entry chains the model before and after its step.
         self.model_digest = model_digest(self.full_state(run.arrays)) if run.ledger is not None else ""
@@ -243,8 +245,15 @@ class FederatedRun:
         self, rnd: int, messages: list[Message], timeout: float | None
     ) -> tuple[ArrayRecord | None, MetricRecord | None, list[ReplyFacts]]:
         """A round's new model, its training metrics and the facts of its replies: gathered (all
-        replies, summed in send order) or, with `Run.streams`, folded as they arrive."""
+        replies, summed in send order), with `Run.streams` folded as they arrive, or under secure
+        aggregation the facts of the masked replies (the round's stages: `secure_round`)."""
         digest = self.ledger is not None
+        if getattr(self.strategy, "secure", False):
+            new, metrics, outcome = self.strategy.secure_train(  # type: ignore[attr-defined] - SecureFedAvg
+                rnd, messages, lambda stage: self.exchange(stage, timeout)
+            )
+            self.secure_outcome = outcome
+            return new, metrics, [ReplyFacts.of(r, digest) for r in outcome.masked]
         if self.parts.streams:
             facts: list[ReplyFacts] = []
             new, metrics = self.strategy.aggregate_stream(rnd, noted(self.arrivals(messages, timeout), facts, digest))
@@ -274,7 +283,8 @@ class FederatedRun:
             if new_arrays is not None:
                 self.arrays = new_arrays
             fed_eval: MetricRecord | None = None
-            tasks = list(messages)
+            secure = self.secure_outcome
+            tasks = list(messages) if secure is None else list(secure.sent)
             if federated_eval:
                 eval_msgs = list(
                     strategy.configure_evaluate(rnd, self.arrays, ConfigRecord(self.parts.client_config), grid)
@@ -294,13 +304,21 @@ class FederatedRun:
                     train_metrics,
                     fed_eval,
                 ),
-                **traffic(
-                    [payload_bytes(m.content) for m in tasks],
-                    [r.payload_bytes for r in replies if r.error is None],
-                    self.parts.unpack.take() if self.parts.unpack is not None else None,
+                **(
+                    traffic(
+                        [payload_bytes(m.content) for m in tasks],
+                        [r.payload_bytes for r in replies if r.error is None],
+                        self.parts.unpack.take() if self.parts.unpack is not None else None,
+                    )
+                    if secure is None
+                    else secure_traffic(secure, tasks[len(secure.sent) :])
                 ),
+                **({"secagg": secure_row(secure, self.strategy.sum_digest)} if secure is not None else {}),
             }
-            nodes = round_nodes(messages, replies, report, cfg.strategy.name)
+            nodes = round_nodes(messages, replies, report, cfg.strategy.name) if secure is None else secure_nodes(
+                messages, secure, replies
+            )
+            self.secure_outcome = None
             if self.scores is not None:
                 self.record_scores(
                     nodes, self.scores.score(record_to_tensors(previous), strategy.last_valid, strategy.robust_row())

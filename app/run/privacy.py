@@ -18,6 +18,7 @@ from flwr.app import MessageType, MetricRecord
 from app.config.schema import PrivacyConfig
 from app.privacy.accounting import Allowance, HistoryBook, MalformedHistory, Prescription, history_key
 from app.protocol import PARTITION_ID
+from app.secagg.dp import DistributedDP
 from strategies.central_dp import CentralDP
 from strategies.node_names import NodeNames, label
 from strategies.partitions import PartitionBinding
@@ -224,4 +225,28 @@ class LocalPrivacy(NoPrivacy):
         return {"local_dp": self.ledger.state()}
 
 
-RunPrivacy = NoPrivacy | CentralPrivacy | LocalPrivacy
+class DistributedPrivacy(NoPrivacy):
+    """Distributed DP under secure aggregation: the nodes noise, the strategy's `DistributedDP`
+    accounts what the survivors' sum carried (app/secagg/dp.py); the server never holds an exact
+    per-node value, so nothing is left out of the rows."""
+
+    def __init__(self, dp: DistributedDP) -> None:
+        self.dp = dp
+
+    def spent_before_release(self, federated_eval: bool) -> bool:
+        return federated_eval  # as central DP: the release leaves the server with the evaluation tasks
+
+    def row(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"epsilon": self.dp.epsilon(), "clip_norm": self.dp.clip_norm}
+        if self.dp.adaptive:
+            row["noised_unclipped_fraction"] = self.dp.last_noised_unclipped_fraction
+        return row
+
+    def describe(self, row: dict[str, Any]) -> str | None:
+        return f"epsilon {row['epsilon']:.3f} (delta {self.dp.delta:g}, distributed Skellam), clip {row['clip_norm']:.4g}"
+
+    def summary(self) -> dict[str, Any]:
+        return self.dp.summary()
+
+
+RunPrivacy = NoPrivacy | CentralPrivacy | LocalPrivacy | DistributedPrivacy

@@ -6,15 +6,18 @@ a row is written, and the keys a row can have are listed in one place.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
-from flwr.app import MetricRecord
+from flwr.app import Message, MetricRecord
 
 from app.config.schema import check_columns
 from app.protocol import PARTITION_ID
 from app.run.arrivals import ReplyFacts
+from app.secagg.server import Outcome
 from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
+from strategies.replies import payload_bytes
 
 # Row values computed from the clients' replies or from which nodes took part: no epsilon
 # covers them, so with privacy on they are recorded only with privacy.report_exact=true.
@@ -105,6 +108,34 @@ def traffic(bytes_down: list[int], bytes_up: list[int], unpack_s: float | None =
         "bytes_down_total": sum(bytes_down),
         "bytes_up_total": sum(bytes_up),
         **({"unpack_s": unpack_s} if unpack_s is not None else {}),
+    }
+
+
+def secure_traffic(outcome: Outcome, evaluation: list[Message]) -> dict[str, Any]:
+    """`traffic` of a secure round, per node: everything its four stages (and any evaluation task)
+    sent it and it sent back, summed; the means are over the nodes that were sent anything."""
+    down: dict[int, int] = defaultdict(int)
+    up: dict[int, int] = defaultdict(int)
+    node_of = {}
+    for m in [*outcome.sent, *evaluation]:
+        down[m.metadata.dst_node_id] += payload_bytes(m.content)
+        node_of[m.metadata.message_id] = m.metadata.dst_node_id
+    for r in outcome.received:
+        if not r.has_error() and (node := node_of.get(r.metadata.reply_to_message_id)) is not None:
+            up[node] += payload_bytes(r.content)
+    return traffic(list(down.values()), list(up.values()))
+
+
+def secure_row(outcome: Outcome, sum_digest: str | None) -> dict[str, Any]:
+    """The `secagg` column: the nodes whose inputs are in the sum, who left at which stage and why,
+    an abort's reason, and the sha256 of the masked inputs' sum and of the unmasked sum (both also
+    in the ledger: each node's entry holds its masked input's hash, so the first can be checked)."""
+    return {
+        "survivors": outcome.survivors,
+        "dropped": {str(node): why for node, why in outcome.dropped.items()},
+        "aborted": outcome.aborted,
+        "masked_sum_sha256": outcome.masked_sum_digest,
+        "sum_sha256": sum_digest if outcome.total is not None else None,
     }
 
 
