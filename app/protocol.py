@@ -66,6 +66,7 @@ SECAGG_KEYS = "query.secagg_keys"
 SECAGG_SHARES = "query.secagg_shares"
 SECAGG_TRAIN = "train.secagg"
 SECAGG_UNMASK = "query.secagg_unmask"
+SECAGG_MASKED = "masked"  # the ArrayRecord key of a node's masked vector
 SECAGG_MODULUS = "modulus"
 SECAGG_QUANTIZATION = "quantization"
 SECAGG_CLIPPING = "clipping"

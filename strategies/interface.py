@@ -105,3 +105,16 @@ class BufferStrategy(ServerStrategy, Protocol):
         drain: bool = False,
         clock: Callable[[], float] | None = None,
     ) -> ArrayRecord: ...
+
+
+class SecureStrategy(RoundStrategy, Protocol):
+    """A round strategy whose rounds are secure-aggregation rounds (app/secagg/strategy.py): it drives
+    the round's stages itself through `exchange` and never holds a reply's update."""
+
+    secure: bool  # True
+    sum_digest: str | None  # sha256 of the last unmasked sum (the row and the ledger record it)
+
+    def secure_train(
+        self, server_round: int, messages: list[Message], exchange: Callable[[list[Message]], list[Message]]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None, Any]:
+        """The round's new model, its summed train metrics and the protocol's outcome."""

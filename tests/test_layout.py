@@ -41,8 +41,17 @@ LAYERS: dict[str, frozenset[str]] = {
     "app/simulation/": frozenset({"app/config/", "app/protocol.py", "strategies/"}),
     "app/privacy/": frozenset({"app/config/", "app/protocol.py", "app/task/", "strategies/"}),
     "app/ledger/": frozenset(),
+    "app/secagg/": frozenset({"app/privacy/", "app/protocol.py", "strategies/"}),
     "app/client_app.py": frozenset(
-        {"app/compression/", "app/privacy/", "app/protocol.py", "app/simulation/", "app/task/", "strategies/"}
+        {
+            "app/compression/",
+            "app/privacy/",
+            "app/protocol.py",
+            "app/secagg/",
+            "app/simulation/",
+            "app/task/",
+            "strategies/",
+        }
     ),
     "app/run/": frozenset(
         {
@@ -51,6 +60,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "app/ledger/",
             "app/privacy/",
             "app/protocol.py",
+            "app/secagg/",
             "app/simulation/",
             "app/task/",
             "strategies/",
@@ -448,7 +458,12 @@ def test_the_run_asks_a_strategy_only_what_its_protocols_declare():
     from strategies import interface
 
     declared: set[str] = set()
-    for protocol in (interface.ServerStrategy, interface.RoundStrategy, interface.BufferStrategy):
+    for protocol in (
+        interface.ServerStrategy,
+        interface.RoundStrategy,
+        interface.BufferStrategy,
+        interface.SecureStrategy,
+    ):
         declared |= set(getattr(protocol, "__annotations__", {})) | {
             name for name, _ in inspect.getmembers(protocol, inspect.isfunction)
         }

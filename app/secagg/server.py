@@ -29,13 +29,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 
-from app.protocol import SECAGG, SECAGG_KEYS, SECAGG_SHARES, SECAGG_TRAIN, SECAGG_UNMASK
+from app.protocol import SECAGG, SECAGG_KEYS, SECAGG_MASKED, SECAGG_SHARES, SECAGG_TRAIN, SECAGG_UNMASK
 from app.secagg import prg
 from app.secagg.node import ProtocolError, load_private, load_public, pair_seed, public_bytes, seed_digest
 from app.secagg.ring import Ring
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
-MASKED = "masked"  # the ArrayRecord key of a node's masked vector
 
 Exchange = Callable[[list[Message]], list[Message]]
 
@@ -191,9 +190,9 @@ class SecureRound:
         for node, reply in replies.items():
             try:
                 arrays = reply.content.array_records
-                if len(arrays) != 1 or list(next(iter(arrays.values())).keys()) != [MASKED]:
+                if len(arrays) != 1 or list(next(iter(arrays.values())).keys()) != [SECAGG_MASKED]:
                     raise ProtocolError("a reply that is not one masked vector")
-                vector = next(iter(arrays.values()))[MASKED].numpy()
+                vector = next(iter(arrays.values()))[SECAGG_MASKED].numpy()
                 if vector.dtype != wire or vector.shape != (size,):
                     raise ProtocolError(f"a masked vector of {vector.dtype} {vector.shape}, not {wire} ({size},)")
             except (KeyError, TypeError, ValueError, ProtocolError) as err:
