@@ -1,0 +1,450 @@
+"""Secure aggregation through `flwr run`: round time, bytes per client and final accuracy of our
+SecAgg+ (`secagg=plus`) against plain FedAvg and against Flower's own SecAgg+, the legacy
+`SecAggPlusWorkflow` (`bench/secagg_legacy_app.py`), side by side in one run.
+
+Variants, each a whole federation through `flwr run` in simulation:
+
+- `fedavg`: our app, plain FedAvg;
+- `secagg`: our app with `secagg=plus secagg.degree=D secagg.threshold=T` (and the ranges of
+  conf/secagg/plus.yaml, passed explicitly so both secure variants use the same numbers);
+  skipped, with the reason printed, while conf/secagg/plus.yaml or `app.secagg` is missing;
+- `flower`: a copy of this app whose components are `bench.secagg_legacy_app:legacy_server` /
+  `:legacy_client`: Flower's `DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))` with
+  num_shares = D + 1 (a node and its D neighbours), reconstruction_threshold = T and the same
+  clipping, quantization and modulus ranges; the same model, partitions, initial weights,
+  central evaluation and client training code as ours. Max weight: plus.yaml's (or
+  --max-weight); 0, ours' automatic value (federation.max_examples_per_node), gives Flower
+  its own best case instead, the largest training partition: Flower quantizes
+  (examples / max_weight) x parameter on one grid of step 2 x clipping_range / quantization_range,
+  so a max weight 1000x the real weights would cost it three decimal digits of every parameter.
+
+D defaults to 6 and T to ceil(2(D+1)/3) + 1 (6), our `secagg.threshold=0` rule; both variants get
+them explicitly.
+
+Workloads: `digits` (the default task, digits CNN, 5 local epochs) at cohorts 10 and 50, and
+`mlp11m`, a ResNet-18-sized update (11.17 M parameters, `resnet18_sized_mlp`) trained for one
+epoch on 16 random 28x28 images a node, so that masking and crypto dominate, at cohort 10. Every
+node trains every round (`federation.min_train_nodes=N`, fraction 1.0).
+
+    python bench/secagg.py                                   # everything above, 3 rounds each
+    python bench/secagg.py --json docs/secagg-benchmark.json
+    python bench/secagg.py --workloads digits --cohorts 10 --rounds 2 --variants fedavg flower  # quick
+
+Reported per workload, cohort and variant: the mean round time over rounds 2..R (round 1 also
+pays the ClientApps' start-up: Ray workers, imports, data; --include-first-round keeps it), the
+payload bytes per client per round, down and up, over the same rounds (arrays, plus for Flower's
+workflow every key, share and masked vector its four stages carry: bench/secagg_legacy_app.py
+`content_bytes`; our runs' `bytes_*_total` columns as the app records them), and the final
+central accuracy; then secagg/fedavg and secagg/flower ratios and the issue's goals: secagg
+round time <= 2x fedavg at 50 clients on the default task, secagg faster than Flower's workflow,
+secagg final accuracy within 0.5 points of fedavg's (default task).
+
+Machine caveat: measured on a 2-core CPU VM shared with other work. The simulation engine runs
+floor(cores / client-resources-num-cpus) = 2 ClientApps at once, so a round's time is mostly the
+cohort's client work done two at a time (plus the server's part), and the clients' share of a
+round is far larger than on a deployment where every node has its own machine; the
+server-side cost of unmasking weighs more there. Timings drift with the load of the machine:
+compare the variants of one run, not runs of different days.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's `app`, ahead of any installed copy
+
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+from app.tools.sweep import HOME_ROOT_ENV, run_in_simulation  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
+
+VARIANTS = ("fedavg", "secagg", "flower")
+WORKLOADS = ("digits", "mlp11m")
+PLUS_YAML = ROOT / "conf" / "secagg" / "plus.yaml"
+MLP_PER_NODE = 16  # random 28x28 images a node holds for `mlp11m`
+MLP_PARAMS = 11_174_736
+# Flower's SecAggPlusWorkflow defaults, used for a range plus.yaml does not name.
+FLOWER_DEFAULTS: dict[str, Any] = {
+    "clipping_range": 8.0,
+    "quantization_range": 4194304,
+    "modulus_range": 4294967296,
+    "max_weight": 0.0,  # 0: automatic on both sides (the largest training partition)
+}
+GOAL_TIME_RATIO = 2.0  # secagg round time <= 2x fedavg's at 50 clients, default task
+GOAL_ACCURACY_POINTS = 0.5
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def secagg_missing() -> str | None:
+    """Why our SecAgg+ cannot run yet (None when it can): its config group or its package."""
+    if not PLUS_YAML.is_file():
+        return f"{PLUS_YAML.relative_to(ROOT)} does not exist yet"
+    check = "import app.secagg; from app.config.compose import load_config; load_config('secagg=plus')"
+    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return "`import app.secagg` / composing secagg=plus fails: " + proc.stderr.strip()[-600:]
+    return None
+
+
+def secagg_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The SecAgg+ numbers both secure variants use: degree and threshold from the command line,
+    the ranges from the command line, else conf/secagg/plus.yaml, else Flower's defaults."""
+    plus = yaml.safe_load(PLUS_YAML.read_text()) if PLUS_YAML.is_file() else {}
+    threshold = args.threshold if args.threshold is not None else default_threshold(args.degree)
+    out: dict[str, Any] = {"degree": args.degree, "threshold": threshold}
+    for key, default in FLOWER_DEFAULTS.items():
+        given = getattr(args, key)
+        out[key] = given if given is not None else plus.get(key, default)
+    out["in_plus_yaml"] = sorted(k for k in FLOWER_DEFAULTS if k in plus)
+    return out
+
+
+def default_threshold(degree: int) -> int:
+    """Our `secagg.threshold=0` rule (conf/secagg/plus.yaml): ceil(2(k+1)/3) + 1 of k + 1 shares."""
+    return -(-2 * (degree + 1) // 3) + 1
+
+
+def secagg_overrides(s: dict[str, Any]) -> list[str]:
+    """Our `secagg=plus` with the same numbers (a range plus.yaml lacks is not passed)."""
+    return [
+        "secagg=plus",
+        f"secagg.degree={s['degree']}",
+        f"secagg.threshold={s['threshold']}",
+        *(f"secagg.{k}={s[k]}" for k in s["in_plus_yaml"]),
+    ]
+
+
+def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
+    """A copy of this app whose components are Flower's SecAgg+ (`bench.secagg_legacy_app`), the
+    SecAgg+ numbers written into its run config's defaults."""
+    out = root / "flower-app"
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "app", "strategies", "conf", "bench"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in [*files, "pyproject.toml", "README.md"]:
+        if (ROOT / name).is_file():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, out / name)
+    toml = out / "pyproject.toml"
+    text = toml.read_text()
+    for ours, theirs in (("app.server_app:app", "legacy_server"), ("app.client_app:app", "legacy_client")):
+        if f'"{ours}"' not in text:
+            raise RuntimeError(f"pyproject.toml no longer names {ours!r}: update bench/secagg.py")
+        text = text.replace(f'"{ours}"', f'"bench.secagg_legacy_app:{theirs}"')
+    extra = {
+        "secagg-num-shares": int(s["degree"]) + 1,
+        "secagg-reconstruction-threshold": int(s["threshold"]),
+        "secagg-clipping-range": float(s["clipping_range"]),
+        "secagg-quantization-range": int(s["quantization_range"]),
+        "secagg-modulus-range": int(s["modulus_range"]),
+        "secagg-max-weight": float(s["max_weight"]),
+        "secagg-timeout": float(timeout_s),
+    }
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in extra.items())
+    anchor = "[tool.flwr.app.config]\n"
+    if anchor not in text:
+        raise RuntimeError("pyproject.toml has no [tool.flwr.app.config]")
+    toml.write_text(text.replace(anchor, anchor + lines, 1))
+    return out
+
+
+def write_mlp_data(path: Path, nodes: int) -> None:
+    """`mlp11m`'s tiny data: MLP_PER_NODE random 28x28 images a node, 64 test images."""
+    rng = np.random.default_rng(0)
+    n = nodes * MLP_PER_NODE
+    images = lambda k: rng.integers(0, 256, (k, 28, 28), dtype=np.uint8)  # noqa: E731
+    np.savez(path, x=images(n), y=rng.integers(0, 10, n), x_test=images(64), y_test=rng.integers(0, 10, 64))
+
+
+def workload_overrides(workload: str, data: Path) -> list[str]:
+    if workload == "digits":
+        return []  # the default task: digits, the CNN, 5 local epochs
+    return [
+        "model=custom",
+        "model._target_=bench.secagg_legacy_app.resnet18_sized_mlp",
+        "dataset=npz",
+        f"dataset.path={data}",
+        "train.epochs=1",
+        "train.batch_size=8",
+    ]
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def summarize(rows: list[dict[str, Any]], cohort: int, include_first: bool) -> dict[str, Any]:
+    """Mean round time and bytes per client per round over the timed rounds, the final accuracy."""
+    timed = rows if include_first or len(rows) < 2 else rows[1:]
+    mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731
+    with_bytes = [r for r in timed if r.get("bytes_down_total") is not None]
+    return {
+        "rounds": len(rows),
+        "timed_rounds": [r["round"] for r in timed],
+        "round_time_s": mean([r["round_time_s"] for r in timed]),
+        "round_times_s": [round(r["round_time_s"], 3) for r in rows],
+        "bytes_down_per_client": mean([r["bytes_down_total"] / cohort for r in with_bytes]),
+        "bytes_up_per_client": mean([r["bytes_up_total"] / cohort for r in with_bytes]),
+        "final_accuracy": rows[-1].get("accuracy") if rows else None,
+        "final_loss": rows[-1].get("loss") if rows else None,
+        "accuracy_by_round": [r.get("accuracy") for r in rows],
+    }
+
+
+def run_one(
+    variant: str,
+    workload: str,
+    cohort: int,
+    args: argparse.Namespace,
+    root: Path,
+    data: Path,
+    s: dict[str, Any],
+    flower_dir: Path,
+) -> dict[str, Any]:
+    name = f"{workload}-{cohort}-{variant}"
+    job = root / "jobs" / name
+    job.mkdir(parents=True)
+    overrides = [
+        *workload_overrides(workload, data),
+        f"federation.rounds={args.rounds}",
+        f"federation.min_train_nodes={cohort}",
+        f"federation.min_available_nodes={cohort}",
+        "federation.fraction_train=1.0",
+        "ledger=off",
+        "tracking.tensorboard=false",
+        f'name="{name}"',
+    ]
+    if variant == "secagg":
+        overrides += secagg_overrides(s)
+    fed = f"num-supernodes={cohort} client-resources-num-cpus={args.client_cpus}"
+    started = time.monotonic()
+    result = run_in_simulation(
+        job, root / "runs", overrides, fed, args.timeout, app_dir=flower_dir if variant == "flower" else ROOT
+    )
+    wall = time.monotonic() - started
+    rows = read_rows(root / "runs" / name)
+    out: dict[str, Any] = {
+        "variant": variant,
+        "workload": workload,
+        "cohort": cohort,
+        "overrides": overrides,
+        "flwr_run_wall_s": round(wall, 1),
+        "error": result["error"],
+        **summarize(rows, cohort, args.include_first_round),
+    }
+    if variant == "flower":
+        out["reply_errors"] = sum(int(r.get("reply_errors", 0)) for r in rows)
+        out["halted_rounds"] = [r["round"] for r in rows if r.get("model_updated") is False]
+        out["global_dtypes"] = rows[-1].get("global_dtypes") if rows else None
+    if result["error"] or len(rows) != args.rounds:
+        log_tail = (job / "flwr.log").read_text(errors="replace")[-3000:] if (job / "flwr.log").is_file() else ""
+        out["error"] = out["error"] or f"{len(rows)} of {args.rounds} rounds recorded"
+        out["log_tail"] = log_tail
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """secagg/fedavg and secagg/flower (and flower/fedavg) per workload and cohort."""
+    out = []
+    keys = sorted({(r["workload"], r["cohort"]) for r in runs}, key=lambda k: (WORKLOADS.index(k[0]), k[1]))
+    for workload, cohort in keys:
+        by = {r["variant"]: r for r in runs if (r["workload"], r["cohort"]) == (workload, cohort) and not r["error"]}
+        row: dict[str, Any] = {"workload": workload, "cohort": cohort}
+        for a, b in (("secagg", "fedavg"), ("secagg", "flower"), ("flower", "fedavg")):
+            if a in by and b in by:
+                for m in ("round_time_s", "bytes_down_per_client", "bytes_up_per_client"):
+                    row[f"{a}/{b} {m}"] = ratio(by[a][m], by[b][m])
+                acc_a, acc_b = by[a]["final_accuracy"], by[b]["final_accuracy"]
+                if acc_a is not None and acc_b is not None:
+                    row[f"{a}-{b} accuracy points"] = 100 * (acc_a - acc_b)
+        out.append(row)
+    return out
+
+
+def goals(comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's three goals, each with its measured value (None: not measured)."""
+    digits = {c["cohort"]: c for c in comparisons if c["workload"] == "digits"}
+    time50 = digits.get(50, {}).get("secagg/fedavg round_time_s")
+    vs_flower = [(c["workload"], c["cohort"], c.get("secagg/flower round_time_s")) for c in comparisons]
+    vs_flower = [v for v in vs_flower if v[2] is not None]
+    acc = [(n, c.get("secagg-fedavg accuracy points")) for n, c in sorted(digits.items())]
+    acc = [a for a in acc if a[1] is not None]
+    return [
+        {
+            "goal": f"secagg round time <= {GOAL_TIME_RATIO:g}x fedavg at 50 clients (default task)",
+            "measured": time50,
+            "met": None if time50 is None else time50 <= GOAL_TIME_RATIO,
+        },
+        {
+            "goal": "secagg faster than Flower's legacy SecAgg+ workflow (every workload and cohort)",
+            "measured": {f"{w}-{n}": v for w, n, v in vs_flower},
+            "met": None if not vs_flower else all(v < 1.0 for _, _, v in vs_flower),
+        },
+        {
+            "goal": f"secagg final accuracy within {GOAL_ACCURACY_POINTS:g} points of fedavg (default task)",
+            "measured": {str(n): v for n, v in acc},
+            "met": None if not acc else all(abs(v) <= GOAL_ACCURACY_POINTS for _, v in acc),
+        },
+    ]
+
+
+def print_report(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]], met: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        f"{'workload':8s} {'N':>3s} {'variant':7s} {'round s':>8s} {'down/client':>12s} {'up/client':>12s} {'final acc':>9s}"
+    )
+    for r in runs:
+        if r["error"]:
+            print(f"{r['workload']:8s} {r['cohort']:3d} {r['variant']:7s}  failed: {str(r['error'])[:300]}")
+            continue
+        acc = f"{100 * r['final_accuracy']:.2f}%" if r["final_accuracy"] is not None else "-"
+        t = f"{r['round_time_s']:.2f}" if r["round_time_s"] is not None else "-"
+        print(
+            f"{r['workload']:8s} {r['cohort']:3d} {r['variant']:7s} {t:>8s} {fmt_bytes(r['bytes_down_per_client']):>12s}"
+            f" {fmt_bytes(r['bytes_up_per_client']):>12s} {acc:>9s}"
+        )
+    print()
+    for c in comparisons:
+        parts = [
+            f"{k} {v:.2f}" if "accuracy" not in k else f"{k} {v:+.2f}"
+            for k, v in c.items()
+            if k not in ("workload", "cohort") and v is not None
+        ]
+        print(f"{c['workload']} {c['cohort']}: " + ("; ".join(parts) if parts else "(no pair measured)"))
+    print()
+    for g in met:
+        verdict = {True: "MET", False: "NOT MET", None: "not measured"}[g["met"]]
+        print(f"[{verdict}] {g['goal']}: {g['measured']}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--cohorts", type=int, nargs="+", default=[10, 50], help="cohorts of the digits workload")
+    parser.add_argument("--mlp-cohorts", type=int, nargs="+", default=[10], help="cohorts of the mlp11m workload")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--degree", type=int, default=6, help="D: neighbours per node (Flower: num_shares = D + 1)")
+    parser.add_argument(
+        "--threshold",
+        type=int,
+        default=None,
+        help="T: shares (of D + 1) that rebuild a node's secrets; default ceil(2(D+1)/3) + 1, our automatic rule",
+    )
+    parser.add_argument("--clipping-range", dest="clipping_range", type=float, default=None)
+    parser.add_argument("--quantization-range", dest="quantization_range", type=int, default=None)
+    parser.add_argument("--modulus-range", dest="modulus_range", type=int, default=None)
+    parser.add_argument("--max-weight", dest="max_weight", type=float, default=None, help="0: automatic")
+    parser.add_argument("--client-cpus", type=int, default=1, help="client-resources-num-cpus")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
+    parser.add_argument("--include-first-round", action="store_true", help="average round 1 in too")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the runs' directory (printed)")
+    args = parser.parse_args(argv)
+
+    variants = list(args.variants)
+    skipped = None
+    if "secagg" in variants and (skipped := secagg_missing()) is not None:
+        print(f"skipping variant secagg: {skipped}", flush=True)
+        variants.remove("secagg")
+    s = secagg_settings(args)
+    if "flower" in variants and not 2 <= s["threshold"] < s["degree"] + 1:
+        parser.error(
+            f"Flower's workflow needs 2 <= threshold < num_shares = D + 1; got T={s['threshold']}, D={s['degree']}"
+        )
+    if "flower" in variants and (s["degree"] + 1) % 2 == 0:
+        print(f"note: num_shares = D + 1 = {s['degree'] + 1} is even; Flower's workflow adds one share", flush=True)
+    print(f"SecAgg+ settings: {s}", flush=True)
+
+    root = Path(tempfile.mkdtemp(prefix="fedgpu-secagg-bench-"))
+    os.environ[HOME_ROOT_ENV] = str(root / "homes")
+    plan = [("digits", n) for n in args.cohorts if "digits" in args.workloads]
+    plan += [("mlp11m", n) for n in args.mlp_cohorts if "mlp11m" in args.workloads]
+    runs: list[dict[str, Any]] = []
+    try:
+        data = root / "mlp-data.npz"
+        write_mlp_data(data, max([n for w, n in plan if w == "mlp11m"], default=1))
+        flower_dir = flower_app_dir(root, s, args.timeout) if "flower" in variants else ROOT
+        for workload, cohort in plan:
+            for variant in variants:  # interleaved: the variants of a cohort see the same machine load
+                r = run_one(variant, workload, cohort, args, root, data, s, flower_dir)
+                runs.append(r)
+                status = (
+                    f"failed: {str(r['error'])[:500]}"
+                    if r["error"]
+                    else (f"round {r['round_time_s']:.2f} s (rounds {r['round_times_s']}), acc {r['final_accuracy']}")
+                )
+                print(f"{workload} {cohort:3d} {variant:7s} {status}  [flwr run {r['flwr_run_wall_s']} s]", flush=True)
+                if r["error"] and r.get("log_tail"):
+                    print("    log tail:\n" + "\n".join("    " + line for line in r["log_tail"].splitlines()[-25:]))
+        comparisons = compare(runs)
+        met = goals(comparisons)
+        print_report(runs, comparisons, met)
+        if args.json:
+            out = {
+                "what": __doc__.split("\n\n")[0],
+                "command": "python bench/secagg.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+                "rounds": args.rounds,
+                "timed_rounds": "all" if args.include_first_round else "2..R (round 1 pays the ClientApps' start-up)",
+                "client_cpus": args.client_cpus,
+                "secagg": s,
+                "secagg_skipped": skipped,
+                "mlp11m_parameters": MLP_PARAMS,
+                "runs": [{k: v for k, v in r.items() if k != "log_tail"} for r in runs],
+                "comparisons": comparisons,
+                "goals": met,
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
+    finally:
+        if args.keep:
+            print(f"runs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 1 if any(r["error"] for r in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
