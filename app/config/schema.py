@@ -241,7 +241,7 @@ class SecAggConfig:
     """Secure aggregation: SecAgg+ between the ServerApp and the ClientApps (app/secagg/)."""
 
     name: str = "none"  # none | plus
-    threshold: int = 0  # t: shares that rebuild a secret; 0 = ceil(2(k+1)/3) + 1 of a neighbourhood of k + 1
+    threshold: int = 0  # t: shares that rebuild a secret; 0 = floor(2m/3) + 1 of a neighbourhood of m = k + 1
     degree: int = 0  # k: neighbours each node shares with and masks against; 0 = all up to 16 nodes, else ~4 log2 n
     clipping_range: float = 8.0  # each coordinate of a weighted update is clipped to +-this before quantizing
     quantization_range: int = 4_194_304  # 2^22 steps over [-clipping_range, clipping_range]

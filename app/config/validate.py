@@ -716,11 +716,12 @@ def _validate_secagg(p: Problems, cfg: Config) -> None:
         f"{why}: per-node scores need each update; the ledger records the round's survivors and the sum's hash",
     )
     p.require(
-        cfg.compression.name in ("none", "int8") and cfg.compression.downlink == "none",
+        cfg.compression.name == "none" and cfg.compression.downlink == "none",
         "compression",
         f"{cfg.compression.name}/{cfg.compression.downlink}",
-        "the ring fixes what a masked update takes on the wire: compression=int8 quantizes once into a 2-byte "
-        "ring; other codecs (and a compressed downlink, which changes each node's base) are refused",
+        "the ring fixes what a masked update takes on the wire, so a codec would quantize twice: for a "
+        "2-byte ring set secagg.modulus_range=65536 and secagg.quantization_range below 65536 / cohort "
+        "(docs/privacy.md#secure-aggregation); a compressed downlink changes each node's base: refused",
     )
     p.require(sa.threshold >= 0, "secagg.threshold", sa.threshold, "must be >= 2, or 0 for the default")
     p.require(sa.threshold != 1, "secagg.threshold", sa.threshold, "one share would reveal a secret: use >= 2")

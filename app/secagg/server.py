@@ -45,8 +45,10 @@ def default_degree(cohort: int) -> int:
 
 
 def default_threshold(neighbourhood: int) -> int:
-    """t for a neighbourhood of k + 1 nodes: ceil(2(k+1)/3) + 1, at most k + 1 (a third may drop)."""
-    return min(neighbourhood, math.ceil(2 * neighbourhood / 3) + 1)
+    """t for a neighbourhood of m = k + 1 nodes: the smallest integer above 2m/3, floor(2m/3) + 1.
+    Fewer than a third of a neighbourhood may drop, and the server with fewer than t of it cannot
+    rebuild a secret (ceil(2m/3) + 1 would leave a cohort of 5 no dropout at all)."""
+    return min(neighbourhood, 2 * neighbourhood // 3 + 1)
 
 
 def neighbours(nodes: Sequence[int], degree: int, rng: secrets.SystemRandom | None = None) -> dict[int, list[int]]:
