@@ -4,7 +4,8 @@ SecAgg+ (`secagg=plus`) against plain FedAvg and against Flower's own SecAgg+, t
 
 Variants, each a whole federation through `flwr run` in simulation:
 
-- `fedavg`: our app, plain FedAvg;
+- `fedavg`: our app, plain FedAvg (its ServerApp run through `bench.secagg_legacy_app:counted_server`,
+  which only counts the messages it pushes and pulls, by round);
 - `secagg`: our app with `secagg=plus secagg.degree=D secagg.threshold=T` (and the ranges of
   conf/secagg/plus.yaml, passed explicitly so both secure variants use the same numbers);
   skipped, with the reason printed, while conf/secagg/plus.yaml or `app.secagg` is missing;
@@ -32,10 +33,10 @@ node trains every round (`federation.min_train_nodes=N`, fraction 1.0).
 
 Reported per workload, cohort and variant: the mean round time over rounds 2..R (round 1 also
 pays the ClientApps' start-up: Ray workers, imports, data; --include-first-round keeps it), the
-payload bytes per client per round, down and up, over the same rounds (arrays, plus for Flower's
-workflow every key, share and masked vector its four stages carry: bench/secagg_legacy_app.py
-`content_bytes`; our runs' `bytes_*_total` columns as the app records them), and the final
-central accuracy; then secagg/fedavg and secagg/flower ratios and the issue's goals: secagg
+payload bytes per client per round, down and up, over the same rounds, counted on the grid for
+every variant alike (every message of every stage: arrays, plus every key, share and masked vector
+a ConfigRecord carries; bench/secagg_legacy_app.py `content_bytes`; our rows' own `bytes_*_total`,
+training messages' arrays only, are kept as `app_bytes_*`), and the final central accuracy; then secagg/fedavg and secagg/flower ratios and the issue's goals: secagg
 round time <= 2x fedavg at 50 clients on the default task, secagg faster than Flower's workflow,
 secagg final accuracy within 0.5 points of fedavg's (default task).
 
@@ -69,6 +70,7 @@ import yaml  # noqa: E402
 
 from app.tools.sweep import HOME_ROOT_ENV, run_in_simulation  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
+from bench.secagg_legacy_app import WIRE_FILE  # noqa: E402
 
 VARIANTS = ("fedavg", "secagg", "flower")
 WORKLOADS = ("digits", "mlp11m")
@@ -128,10 +130,10 @@ def secagg_overrides(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
-    """A copy of this app whose components are Flower's SecAgg+ (`bench.secagg_legacy_app`), the
-    SecAgg+ numbers written into its run config's defaults."""
-    out = root / "flower-app"
+def app_copy(root: Path, name: str, server: str, client: str, config: dict[str, Any]) -> Path:
+    """A copy of this app (as `flwr run` packs it) whose components are `server` and `client` and
+    whose run config has the defaults `config` besides its own."""
+    out = root / name
     files = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "app", "strategies", "conf", "bench"],
         cwd=ROOT,
@@ -139,16 +141,33 @@ def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
         text=True,
         check=True,
     ).stdout.split()
-    for name in [*files, "pyproject.toml", "README.md"]:
-        if (ROOT / name).is_file():
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, out / name)
+    for file in [*files, "pyproject.toml", "README.md"]:
+        if (ROOT / file).is_file():
+            (out / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / file, out / file)
     toml = out / "pyproject.toml"
     text = toml.read_text()
-    for ours, theirs in (("app.server_app:app", "legacy_server"), ("app.client_app:app", "legacy_client")):
+    for ours, theirs in (("app.server_app:app", server), ("app.client_app:app", client)):
         if f'"{ours}"' not in text:
             raise RuntimeError(f"pyproject.toml no longer names {ours!r}: update bench/secagg.py")
-        text = text.replace(f'"{ours}"', f'"bench.secagg_legacy_app:{theirs}"')
+        text = text.replace(f'"{ours}"', f'"{theirs}"')
+    anchor = "[tool.flwr.app.config]\n"
+    if anchor not in text:
+        raise RuntimeError("pyproject.toml has no [tool.flwr.app.config]")
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items())
+    toml.write_text(text.replace(anchor, anchor + lines, 1))
+    return out
+
+
+def counted_app_dir(root: Path) -> Path:
+    """Our app with our ServerApp run through `bench.secagg_legacy_app:counted_server`: the same
+    ServerApp, every message it pushes and pulls counted by round."""
+    return app_copy(root, "counted-app", "bench.secagg_legacy_app:counted_server", "app.client_app:app", {})
+
+
+def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
+    """Our app with Flower's SecAgg+ as its components (`bench.secagg_legacy_app`), the SecAgg+
+    numbers in its run config's defaults."""
     extra = {
         "secagg-num-shares": int(s["degree"]) + 1,
         "secagg-reconstruction-threshold": int(s["threshold"]),
@@ -158,12 +177,9 @@ def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
         "secagg-max-weight": float(s["max_weight"]),
         "secagg-timeout": float(timeout_s),
     }
-    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in extra.items())
-    anchor = "[tool.flwr.app.config]\n"
-    if anchor not in text:
-        raise RuntimeError("pyproject.toml has no [tool.flwr.app.config]")
-    toml.write_text(text.replace(anchor, anchor + lines, 1))
-    return out
+    return app_copy(
+        root, "flower-app", "bench.secagg_legacy_app:legacy_server", "bench.secagg_legacy_app:legacy_client", extra
+    )
 
 
 def write_mlp_data(path: Path, nodes: int) -> None:
@@ -195,18 +211,31 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def summarize(rows: list[dict[str, Any]], cohort: int, include_first: bool) -> dict[str, Any]:
-    """Mean round time and bytes per client per round over the timed rounds, the final accuracy."""
+def read_wire(run_dir: Path) -> dict[str, dict[str, int]]:
+    """Every message's payload bytes by round, as `counted_server` / `legacy_server` counted them."""
+    path = run_dir / WIRE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def summarize(rows: list[dict[str, Any]], wire: dict[str, dict[str, int]], cohort: int, include_first: bool) -> dict:
+    """Mean round time and bytes per client per round over the timed rounds, the final accuracy.
+    Bytes: every message of the round as counted on the grid (`wire`; Flower's rows carry the
+    same counts); `app_bytes_*`: what our rows record themselves (training messages' arrays)."""
     timed = rows if include_first or len(rows) < 2 else rows[1:]
     mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731
-    with_bytes = [r for r in timed if r.get("bytes_down_total") is not None]
+    counted = [wire.get(str(r["round"]), r) for r in timed]
+    counted = [c for c in counted if c.get("bytes_down_total") is not None]
+    own = [r for r in timed if r.get("bytes_down_total") is not None]
     return {
         "rounds": len(rows),
         "timed_rounds": [r["round"] for r in timed],
         "round_time_s": mean([r["round_time_s"] for r in timed]),
         "round_times_s": [round(r["round_time_s"], 3) for r in rows],
-        "bytes_down_per_client": mean([r["bytes_down_total"] / cohort for r in with_bytes]),
-        "bytes_up_per_client": mean([r["bytes_up_total"] / cohort for r in with_bytes]),
+        "bytes_down_per_client": mean([c["bytes_down_total"] / cohort for c in counted]),
+        "bytes_up_per_client": mean([c["bytes_up_total"] / cohort for c in counted]),
+        "messages_per_client": mean([c["messages_down"] / cohort for c in counted if "messages_down" in c]),
+        "app_bytes_down_per_client": mean([r["bytes_down_total"] / cohort for r in own]),
+        "app_bytes_up_per_client": mean([r["bytes_up_total"] / cohort for r in own]),
         "final_accuracy": rows[-1].get("accuracy") if rows else None,
         "final_loss": rows[-1].get("loss") if rows else None,
         "accuracy_by_round": [r.get("accuracy") for r in rows],
@@ -221,7 +250,7 @@ def run_one(
     root: Path,
     data: Path,
     s: dict[str, Any],
-    flower_dir: Path,
+    dirs: dict[str, Path],
 ) -> dict[str, Any]:
     name = f"{workload}-{cohort}-{variant}"
     job = root / "jobs" / name
@@ -240,11 +269,9 @@ def run_one(
         overrides += secagg_overrides(s)
     fed = f"num-supernodes={cohort} client-resources-num-cpus={args.client_cpus}"
     started = time.monotonic()
-    result = run_in_simulation(
-        job, root / "runs", overrides, fed, args.timeout, app_dir=flower_dir if variant == "flower" else ROOT
-    )
+    result = run_in_simulation(job, root / "runs", overrides, fed, args.timeout, app_dir=dirs[variant])
     wall = time.monotonic() - started
-    rows = read_rows(root / "runs" / name)
+    rows, wire = read_rows(root / "runs" / name), read_wire(root / "runs" / name)
     out: dict[str, Any] = {
         "variant": variant,
         "workload": workload,
@@ -252,7 +279,7 @@ def run_one(
         "overrides": overrides,
         "flwr_run_wall_s": round(wall, 1),
         "error": result["error"],
-        **summarize(rows, cohort, args.include_first_round),
+        **summarize(rows, wire, cohort, args.include_first_round),
     }
     if variant == "flower":
         out["reply_errors"] = sum(int(r.get("reply_errors", 0)) for r in rows)
@@ -405,10 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = root / "mlp-data.npz"
         write_mlp_data(data, max([n for w, n in plan if w == "mlp11m"], default=1))
-        flower_dir = flower_app_dir(root, s, args.timeout) if "flower" in variants else ROOT
+        counted = counted_app_dir(root)
+        dirs = {"fedavg": counted, "secagg": counted}
+        if "flower" in variants:
+            dirs["flower"] = flower_app_dir(root, s, args.timeout)
         for workload, cohort in plan:
             for variant in variants:  # interleaved: the variants of a cohort see the same machine load
-                r = run_one(variant, workload, cohort, args, root, data, s, flower_dir)
+                r = run_one(variant, workload, cohort, args, root, data, s, dirs)
                 runs.append(r)
                 status = (
                     f"failed: {str(r['error'])[:500]}"

@@ -9,8 +9,11 @@
   (`app.run.factory.global_model`, same seed), evaluates the global model centrally after every
   round with our `app.task.training.evaluate`, and writes one JSON line per round to
   `<output-dir>/<name>/metrics.jsonl` (`round`, the task's metrics, `loss`, `round_time_s`,
-  `bytes_down_total`, `bytes_up_total`, ...), then `summary.json`. The grid is wrapped
-  (`CountingGrid`) so that every message of all four SecAgg+ stages is counted.
+  `bytes_down_total`, `bytes_up_total`, ...), then `summary.json`. The grid's push and pull are
+  wrapped (`count_messages`) so that every message of all four SecAgg+ stages is counted.
+- `counted_server`: our own ServerApp (`app.server_app`) with the same counting, so that the
+  `fedavg` and `secagg` variants' bytes are measured the same way as Flower's
+  (`bench-wire-bytes.json` in the run's directory).
 - `legacy_client`: `ClientApp(client_fn, mods=[secaggplus_mod])`, `client_fn` returning a
   `NumPyClient` whose `fit` is our ClientApp's training path (`app.client_app.prepare_job`:
   the node's partition, the model, AMP; `app.task.training.train`; the same per-round seed and
@@ -101,76 +104,85 @@ def content_bytes(content: RecordDict) -> int:
     return total
 
 
-class CountingGrid(Grid):
-    """Flower's grid with every pushed message's and pulled reply's payload counted.
+class MessageCounter:
+    """Payload bytes and message counts of everything a grid pushes and pulls, by the messages'
+    `group_id` (the round, in our strategies, in our SecAgg+ and in Flower's workflow: a reply
+    carries its message's), so every stage of a round is counted."""
 
-    `send_and_receive` is Flower's own loop (InMemoryGrid's: push, then pull every
-    `pull_interval` until all replies are in or the timeout passes) over the counting
-    push and pull, so no stage escapes the count and the polling is Flower's."""
+    FIELDS = ("bytes_down_total", "bytes_up_total", "messages_down", "messages_up", "reply_errors")
 
-    def __init__(self, inner: Grid) -> None:
-        self.inner = inner
-        self.pull_interval = float(getattr(inner, "pull_interval", 0.1))
-        self.down = self.up = self.sent = self.received = self.errors = 0
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[str, int]] = {}
 
-    def take(self) -> dict[str, int]:
-        """The counts since the last call."""
-        out = {
-            "bytes_down_total": self.down,
-            "bytes_up_total": self.up,
-            "messages_down": self.sent,
-            "messages_up": self.received,
-            "reply_errors": self.errors,
-        }
-        self.down = self.up = self.sent = self.received = self.errors = 0
-        return out
+    def _group(self, message: Message) -> dict[str, int]:
+        return self.groups.setdefault(str(message.metadata.group_id), dict.fromkeys(self.FIELDS, 0))
 
-    def set_run(self, run: Any) -> None:  # noqa: ANN401
-        self.inner.set_run(run)
+    def pushed(self, messages: list[Message]) -> None:
+        for m in messages:
+            g = self._group(m)
+            g["bytes_down_total"] += content_bytes(m.content)
+            g["messages_down"] += 1
 
-    @property
-    def run(self) -> Any:  # noqa: ANN401
-        return self.inner.run
-
-    def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
-    ) -> Message:
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
-
-    def get_nodes(self) -> Iterable[Any]:
-        return self.inner.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        messages = list(messages)
-        self.down += sum(content_bytes(m.content) for m in messages)
-        self.sent += len(messages)
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = list(self.inner.pull_messages(message_ids))
-        for reply in replies:
-            self.received += 1
-            if reply.has_error():
-                self.errors += 1
+    def pulled(self, replies: list[Message]) -> None:
+        for r in replies:
+            g = self._group(r)
+            g["messages_up"] += 1
+            if r.has_error():
+                g["reply_errors"] += 1
             else:
-                self.up += content_bytes(reply.content)
+                g["bytes_up_total"] += content_bytes(r.content)
+
+    def of(self, group: int | str) -> dict[str, int]:
+        return dict(self.groups.get(str(group), dict.fromkeys(self.FIELDS, 0)))
+
+
+def count_messages(grid: Grid) -> MessageCounter:
+    """Count what `grid` pushes and pulls from now on. The grid itself is kept (its class too: our
+    ServerApp tells simulated nodes by it) and only its `push_messages` / `pull_messages` are
+    wrapped on the instance, which its own `send_and_receive` calls as well."""
+    counter = MessageCounter()
+    push, pull = grid.push_messages, grid.pull_messages
+
+    def push_messages(messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        counter.pushed(messages)
+        return push(messages)
+
+    def pull_messages(message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(pull(message_ids))
+        counter.pulled(replies)
         return replies
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        ids = set(self.push_messages(messages))
-        end = time.time() + (timeout if timeout is not None else 0.0)
-        replies: list[Message] = []
-        while timeout is None or time.time() < end:
-            got = list(self.pull_messages(ids))
-            replies.extend(got)
-            ids.difference_update(r.metadata.reply_to_message_id for r in got)
-            if not ids:
-                break
-            time.sleep(self.pull_interval)
-        return replies
+    grid.push_messages = push_messages  # type: ignore[method-assign]
+    grid.pull_messages = pull_messages  # type: ignore[method-assign]
+    return counter
+
+
+WIRE_FILE = "bench-wire-bytes.json"  # in a run's directory: {round: MessageCounter fields}
+
+
+# ----------------------------------------------------------------------------- our ServerApp, counted
+
+counted_server = ServerApp()
+
+
+@counted_server.main()
+def counted_main(grid: Grid, context: Context) -> None:
+    """Our ServerApp (`app.server_app`) as it is, with every message counted by round; the counts go
+    to `<output-dir>/<name>/bench-wire-bytes.json` (our own rows count the training messages'
+    arrays only)."""
+    from app.config.compose import load_config
+    from app.run.results import output_root
+    from app.server_app import main
+
+    counter = count_messages(grid)
+    try:
+        main(grid, context)
+    finally:
+        cfg, _ = load_config(str(context.run_config.get("overrides", "")))
+        run_dir = output_root(str(context.run_config.get("output-dir", ""))) / str(cfg.name)
+        if cfg.name is not None and run_dir.is_dir():
+            (run_dir / WIRE_FILE).write_text(json.dumps(counter.groups, indent=1) + "\n")
 
 
 # ----------------------------------------------------------------------------- ClientApp
@@ -319,7 +331,7 @@ def legacy_main(grid: Grid, context: Context) -> None:
     run_dir = new_run_dir(root, cfg.name, "secagg-legacy", cfg.dataset.name, reuse=True)
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.write_text("")
-    counting = CountingGrid(grid)
+    counter = count_messages(grid)
     started = time.time()
     last: dict[str, Any] = {"t": started, "model": None}
     rows: list[dict[str, Any]] = []
@@ -328,7 +340,7 @@ def legacy_main(grid: Grid, context: Context) -> None:
         module.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, ndarrays, strict=True)})
         loss, values = evaluate(module, test_data, precision, task)
         now = time.time()
-        counts = counting.take()
+        counts = counter.of(rnd)
         arrays = [np.asarray(a) for a in ndarrays]
         updated = last["model"] is None or not all(map(np.array_equal, arrays, last["model"]))
         last["model"] = [a.copy() for a in arrays]
@@ -372,7 +384,7 @@ def legacy_main(grid: Grid, context: Context) -> None:
     )
     log.info("Flower SecAgg+ (legacy workflow): %s; results: %s", settings, run_dir)
     legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=f.rounds), strategy=strategy)
-    DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(**settings))(counting, legacy)
+    DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(**settings))(grid, legacy)
 
     summary = {
         "status": "completed" if len(rows) == f.rounds else "incomplete",
