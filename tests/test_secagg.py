@@ -374,7 +374,8 @@ def test_distributed_dp_charges_the_noise_the_survivors_added() -> None:
         ("secagg=plus strategy=fedbuff", "strategy.name"),
         ("secagg=plus privacy=central", "privacy.name"),
         ("secagg=plus ledger.contribution=loo", "ledger.contribution"),
-        ("secagg=plus compression=int8", "compression"),
+        ("secagg=plus compression=topk", "compression"),
+        ("secagg=plus compression=int8 privacy=distributed", "compression"),
         ("secagg=plus compression.downlink=fp16", "compression"),
         ("secagg=plus secagg.threshold=1", "secagg.threshold"),
         ("secagg=plus secagg.modulus_range=1000", "secagg.modulus_range"),
@@ -405,3 +406,33 @@ def test_the_layout_round_trips_tensors_and_extras() -> None:
     assert torch.equal(back["a"], tensors["a"].double()) and extras == {"weight": 0.5, "loss": 32.0}
     ring = Ring(8.0, 2**22, 2**32)
     assert np.allclose(ring.decode(ring.encode(torch.tensor([-7.5, 0.0, 3.25]), None)), [-7.5, 0.0, 3.25])
+
+
+def test_compression_int8_quantizes_once_into_a_two_byte_ring() -> None:
+    """compression=int8: Z_2^16 with 2^13 steps for 5 nodes (5 x 2^13 < 2^16), 2 bytes a coordinate
+    on the wire, and the mean still FedAvg's within the coarser step."""
+    n = 5
+    settings = SecAggSettings(Ring(1.0, 2**22, 2**32), max_weight=1000.0, compact=True)
+    ring = settings.ring_for(n)
+    assert (ring.modulus, ring.quantization_range) == (2**16, 2**13) and ring.room(n) is None
+    assert settings.ring_for(50).quantization_range == 2**10
+    base, models = _models(n, seed=8)
+    examples = [100, 200, 300, 400, 500]
+    received: list[Message] = []
+    grid = InProcessGrid(Nodes(models, examples), n)
+    strategy = SecureFedAvg(secagg=settings, sampling=Sampling(min_train_nodes=n, min_available_nodes=n))
+    arrays = ArrayRecord({k: Array(v.numpy()) for k, v in base.items()})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
+
+    def exchange(stage: list[Message]) -> list[Message]:
+        replies = list(grid.send_and_receive(stage))
+        received.extend(replies)
+        return replies
+
+    new, _, outcome = strategy.secure_train(1, messages, exchange)
+    masked = [r.content[ARRAYS][SECAGG_MASKED].numpy() for r in received if r.content.array_records]
+    assert len(masked) == n and all(m.dtype == np.uint16 for m in masked)
+    want = _fedavg(models, examples)
+    bound = n * ring.step / (sum(examples) / 1000.0)
+    for k, v in record_to_tensors(new).items():
+        assert torch.allclose(v.double(), want[k], atol=bound, rtol=0), k

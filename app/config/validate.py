@@ -716,12 +716,18 @@ def _validate_secagg(p: Problems, cfg: Config) -> None:
         f"{why}: per-node scores need each update; the ledger records the round's survivors and the sum's hash",
     )
     p.require(
-        cfg.compression.name == "none" and cfg.compression.downlink == "none",
+        cfg.compression.name in ("none", "int8") and cfg.compression.downlink == "none",
         "compression",
         f"{cfg.compression.name}/{cfg.compression.downlink}",
-        "the ring fixes what a masked update takes on the wire, so a codec would quantize twice: for a "
-        "2-byte ring set secagg.modulus_range=65536 and secagg.quantization_range below 65536 / cohort "
-        "(docs/privacy.md#secure-aggregation); a compressed downlink changes each node's base: refused",
+        "the ring fixes what a masked update takes on the wire: compression=int8 quantizes once, into a "
+        "2-byte ring; another codec would quantize twice (or, topk, leave coordinates the masks cover "
+        "anyway), and a compressed downlink changes each node's base",
+    )
+    p.require(
+        not (cfg.compression.name == "int8" and dp.name in DISTRIBUTED_PRIVACY),
+        "compression",
+        cfg.compression.name,
+        "distributed DP's noise needs room the 2-byte ring of compression=int8 does not have: use compression=none",
     )
     p.require(sa.threshold >= 0, "secagg.threshold", sa.threshold, "must be >= 2, or 0 for the default")
     p.require(sa.threshold != 1, "secagg.threshold", sa.threshold, "one share would reveal a secret: use >= 2")

@@ -94,7 +94,7 @@ def secure_aggregation(
         return None, None
     ring = Ring(sa.clipping_range, sa.quantization_range, sa.modulus_range)
     cap = sa.max_weight or largest_partition or cfg.federation.max_examples_per_node
-    settings = SecAggSettings(ring, sa.threshold, sa.degree, float(cap), sa.on_too_few)
+    settings = SecAggSettings(ring, sa.threshold, sa.degree, float(cap), sa.on_too_few, cfg.compression.name == "int8")
     p = cfg.privacy
     if p.name not in DISTRIBUTED_PRIVACY:
         return settings, None
