@@ -382,6 +382,12 @@ def print_report(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]], 
         print(f"[{verdict}] {g['goal']}: {g['measured']}")
 
 
+def git_state() -> dict[str, Any]:
+    """The commit measured and the files that differed from it (the tree may be in flux)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {"head": git("rev-parse", "HEAD"), "modified": git("status", "--short", "--untracked-files=no").splitlines()}
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -456,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 "what": __doc__.split("\n\n")[0],
                 "command": "python bench/secagg.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+                "git": git_state(),
                 "rounds": args.rounds,
                 "timed_rounds": "all" if args.include_first_round else "2..R (round 1 pays the ClientApps' start-up)",
                 "client_cpus": args.client_cpus,
