@@ -49,6 +49,7 @@ SLOW_MODULES: dict[str, str] = {
     "test_gpu_check": "bench/gpu_check.py --quick --device cpu, and a ClientApp process it starts (~25 s)",
     "test_scale": "two federations of 100 and 1000 nodes, each in its own process",
     "test_soak": "the shortened soak: a supervised secure stack through node, ServerApp and SuperLink kills (~5 min)",
+    "test_secagg_e2e": "secagg=plus through `flwr run` (10 nodes) and on the secure loopback stack with a killed node",
 }
 
 # Modules that mix fast and slow tests: the slow ones, by test function name (every
