@@ -206,7 +206,7 @@ def _check_listed(items: list[pytest.Item]) -> None:
 # modules mostly wait (heartbeats, back-off, process start-up) and their timeouts assume one
 # federation at a time: they run in order on one worker, first, while the other worker takes
 # everything else.
-SERIAL_FIRST = ("test_superlink_loopback",)
+SERIAL_FIRST = ("test_superlink_loopback", "test_secagg_e2e")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

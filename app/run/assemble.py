@@ -257,7 +257,8 @@ def start_clock(
         examples = train * t.epochs
         if t.max_steps and isinstance(t.batch_size, int):  # train.max_steps: that many steps, not epochs
             examples = t.max_steps * t.grad_accum_steps * min(t.batch_size, train)
-        return {MessageType.TRAIN: examples, MessageType.EVALUATE: validation}.get(kind, 0)
+        category = kind.split(".")[0]  # "train.secagg" trains; a SecAgg+ key or share stage does no training
+        return {MessageType.TRAIN: examples, MessageType.EVALUATE: validation}.get(category, 0)
 
     log.info("fleet %s on a virtual clock: %s", fleet.name, describe(profiles))
     summary = {

@@ -297,7 +297,7 @@ class FederatedRun:
                 **round_row(
                     rnd,
                     report,
-                    len(replies),
+                    len(replies) if secure is None else report.sampled,
                     client_metrics,
                     strategy.robust_row(),
                     new_arrays is not None,

@@ -144,8 +144,9 @@ class SecureFedAvg(FedAvg):
         protocol = SecureRound(t, k, ring, self.limits.message_ttl_s, name=lambda node: label(node, self.wiring.names))
         outcome = protocol.run(server_round, messages, exchange, layout.size, record)
         self.last_outcome = outcome
-        report = RoundReport(sampled=n)
-        report.rejected = [Rejection(node, why) for node, why in outcome.dropped.items()]
+        report = RoundReport(sampled=n)  # every node sampled is a survivor or rejected: none is "missing"
+        survived = set(outcome.survivors)  # a survivor that left at the unmask stage is still in the sum
+        report.rejected = [Rejection(node, why) for node, why in outcome.dropped.items() if node not in survived]
         self.train_report, self.last_valid = report, []
         if outcome.total is None:
             report.policy = "aborted: " + str(outcome.aborted)
