@@ -56,6 +56,7 @@ SLOW_MODULES: dict[str, str] = {
 # parametrization of it) or by the name of a fixture defined in that module (every test
 # that uses it).
 SLOW_TESTS: dict[str, set[str]] = {
+    "test_secagg": {"test_what_the_server_holds_of_one_node_is_uniform_over_many_rounds"},  # 400 SecAgg+ rounds
     "test_bulyan": {"test_strategy_bulyan_runs_synchronously_and_keeps_n_minus_2f"},  # a 7-node federation
     # real Flower processes
     "test_register_nodes": {

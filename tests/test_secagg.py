@@ -45,6 +45,21 @@ from strategies.tensor_ops import record_to_tensors
 RING = Ring(8.0, 2**22, 2**32)
 
 
+class Seen:
+    """What an instrumented exchange saw of each reply before the server folded it: its sender, its
+    arrays (copied: the server drops a masked input's arrays once summed) and its metric keys."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[int, dict[str, dict[str, np.ndarray]], set[str]]] = []
+
+    def __call__(self, reply: Message) -> None:
+        if reply.has_error():
+            return
+        arrays = {n: {k: a.numpy().copy() for k, a in r.items()} for n, r in reply.content.array_records.items()}
+        metrics = {k for m in reply.content.metric_records.values() for k in m}
+        self.replies.append((reply.metadata.src_node_id, arrays, metrics))
+
+
 class Nodes:
     """A ClientApp running the real stages of node.py on fixed trained models: node i's model is
     `models[i]`, its example count `examples[i]`. `fail[(node, message type)]` raises there (a node
@@ -168,15 +183,14 @@ def test_every_reply_the_server_receives_is_masked_and_uniform_in_the_ring() -> 
     n = 6
     base, models = _models(n, seed=1)
     nodes = Nodes(models, [100] * n)
-    received: list[Message] = []
-    _round(nodes, base, n, seen=received.append)
+    seen = Seen()
+    _round(nodes, base, n, seen=seen)
     masked = {}
-    for reply in received:
-        for name, arrays in reply.content.array_records.items():
-            assert list(arrays.keys()) == [SECAGG_MASKED], f"a reply carries {name}: {list(arrays.keys())}"
-            masked[reply.metadata.src_node_id] = arrays[SECAGG_MASKED].numpy().astype(np.uint64)
-        for metrics in reply.content.metric_records.values():
-            assert "num-examples" not in metrics
+    for src, arrays, metrics in seen.replies:
+        for name, record in arrays.items():
+            assert list(record) == [SECAGG_MASKED], f"a reply carries {name}: {list(record)}"
+            masked[src] = record[SECAGG_MASKED].astype(np.uint64)
+        assert "num-examples" not in metrics
     assert set(masked) == set(nodes.plain)
     for node, vector in masked.items():
         plain = nodes.plain[node]
@@ -196,10 +210,10 @@ def test_what_the_server_holds_of_one_node_is_uniform_over_many_rounds() -> None
     values = []
     for _ in range(400):
         nodes = Nodes(models, [10, 20, 30])
-        received: list[Message] = []
-        _round(nodes, base, 3, ring=ring, seen=received.append)
-        first = next(r for r in received if r.content.array_records and r.metadata.src_node_id == 1000)
-        values.append(int(first.content.array_records[ARRAYS][SECAGG_MASKED].numpy()[0]))
+        seen = Seen()
+        _round(nodes, base, 3, ring=ring, seen=seen)
+        first = next(arrays for src, arrays, _ in seen.replies if arrays and src == 1000)
+        values.append(int(first[ARRAYS][SECAGG_MASKED][0]))
     counts = np.bincount(np.array(values) >> 12, minlength=16)
     assert stats.chisquare(counts).pvalue > 1e-4, counts
 
@@ -418,7 +432,7 @@ def test_compression_int8_quantizes_once_into_a_two_byte_ring() -> None:
     assert settings.ring_for(50).quantization_range == 2**10
     base, models = _models(n, seed=8)
     examples = [100, 200, 300, 400, 500]
-    received: list[Message] = []
+    seen = Seen()
     grid = InProcessGrid(Nodes(models, examples), n)
     strategy = SecureFedAvg(secagg=settings, sampling=Sampling(min_train_nodes=n, min_available_nodes=n))
     arrays = ArrayRecord({k: Array(v.numpy()) for k, v in base.items()})
@@ -426,11 +440,12 @@ def test_compression_int8_quantizes_once_into_a_two_byte_ring() -> None:
 
     def exchange(stage: list[Message]) -> list[Message]:
         replies = list(grid.send_and_receive(stage))
-        received.extend(replies)
+        for reply in replies:
+            seen(reply)
         return replies
 
     new, _, outcome = strategy.secure_train(1, messages, exchange)
-    masked = [r.content[ARRAYS][SECAGG_MASKED].numpy() for r in received if r.content.array_records]
+    masked = [arrays[ARRAYS][SECAGG_MASKED] for _, arrays, _ in seen.replies if arrays]
     assert len(masked) == n and all(m.dtype == np.uint16 for m in masked)
     want = _fedavg(models, examples)
     bound = n * ring.step / (sum(examples) / 1000.0)

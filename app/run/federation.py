@@ -250,10 +250,10 @@ class FederatedRun:
         digest = self.ledger is not None
         if getattr(self.strategy, "secure", False):
             new, metrics, outcome = self.strategy.secure_train(  # type: ignore[attr-defined] - SecureFedAvg
-                rnd, messages, lambda stage: self.exchange(stage, timeout)
+                rnd, messages, lambda stage: self.arrivals(stage, timeout)
             )
             self.secure_outcome = outcome
-            return new, metrics, [ReplyFacts.of(r, digest) for r in outcome.masked]
+            return new, metrics, [ReplyFacts.of(r, False) for r in outcome.masked]  # arrays gone: summed
         if self.parts.streams:
             facts: list[ReplyFacts] = []
             new, metrics = self.strategy.aggregate_stream(rnd, noted(self.arrivals(messages, timeout), facts, digest))
@@ -316,7 +316,7 @@ class FederatedRun:
                 **({"secagg": secure_row(secure, self.strategy.sum_digest)} if secure is not None else {}),
             }
             nodes = round_nodes(messages, replies, report, cfg.strategy.name) if secure is None else secure_nodes(
-                messages, secure, replies
+                messages, secure
             )
             self.secure_outcome = None
             if self.scores is not None:

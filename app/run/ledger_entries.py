@@ -75,19 +75,16 @@ def round_nodes(messages: list[Message], replies: list[ReplyFacts], report: Roun
     return out
 
 
-def secure_nodes(messages: list[Message], outcome: Outcome, replies: list[ReplyFacts]) -> list[dict]:
+def secure_nodes(messages: list[Message], outcome: Outcome) -> list[dict]:
     """A secure round's records, one per node sampled: whether its masked input is in the sum, or the
     stage it left at and why; the hash of its masked input (what it sent: `reply_sha256`, so a node
     can check its receipt), never a count or weight (the server does not learn them)."""
-    digest_of = {r.reply_to: r.digest for r in replies}
-    sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in outcome.sent}
-    digests = {sent_to.get(mid): d for mid, d in digest_of.items() if d is not None}
     out = []
     for message in messages:
         node = message.metadata.dst_node_id
         record: dict[str, Any] = {"node_id": node}
-        if node in digests:
-            record["reply_sha256"] = digests[node]
+        if node in outcome.digests:
+            record["reply_sha256"] = outcome.digests[node]
         if node in outcome.survivors:
             record["outcome"] = "applied (in the secure sum)"
         elif node in outcome.dropped:

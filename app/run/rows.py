@@ -6,10 +6,9 @@ a row is written, and the keys a row can have are listed in one place.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord
 
 from app.config.schema import check_columns
 from app.protocol import PARTITION_ID
@@ -113,27 +112,12 @@ def traffic(bytes_down: list[int], bytes_up: list[int], unpack_s: float | None =
 
 def secure_traffic(outcome: Outcome, evaluation: list[Message]) -> dict[str, Any]:
     """`traffic` of a secure round, per node: the arrays, keys, shares and ciphertexts its four stages
-    (and any evaluation task) sent it and it sent back, summed; means over the nodes sent anything."""
-    down: dict[int, int] = defaultdict(int)
-    up: dict[int, int] = defaultdict(int)
-    node_of = {}
-    for m in [*outcome.sent, *evaluation]:
-        down[m.metadata.dst_node_id] += _secure_bytes(m.content)
-        node_of[m.metadata.message_id] = m.metadata.dst_node_id
-    for r in outcome.received:
-        if not r.has_error() and (node := node_of.get(r.metadata.reply_to_message_id)) is not None:
-            up[node] += _secure_bytes(r.content)
-    return traffic(list(down.values()), list(up.values()))
-
-
-def _secure_bytes(content: RecordDict) -> int:
-    """A stage message's arrays and the keys, shares and ciphertexts its ConfigRecords carry."""
-    carried = 0
-    for record in content.config_records.values():
-        for value in record.values():
-            items = value if isinstance(value, list) else [value]
-            carried += sum(len(v) for v in items if isinstance(v, bytes))
-    return payload_bytes(content) + carried
+    sent it and it sent back (`Outcome.bytes_down` / `bytes_up`), and any evaluation task's arrays;
+    means over the nodes sent anything."""
+    down = dict(outcome.bytes_down)
+    for m in evaluation:
+        down[m.metadata.dst_node_id] = down.get(m.metadata.dst_node_id, 0) + payload_bytes(m.content)
+    return traffic(list(down.values()), list(outcome.bytes_up.values()))
 
 
 def secure_row(outcome: Outcome, sum_digest: str | None) -> dict[str, Any]:

@@ -21,7 +21,8 @@ import hashlib
 import logging
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +34,11 @@ from app.protocol import SECAGG, SECAGG_KEYS, SECAGG_MASKED, SECAGG_SHARES, SECA
 from app.secagg import prg
 from app.secagg.node import ProtocolError, load_private, load_public, pair_seed, public_bytes, seed_digest
 from app.secagg.ring import Ring
+from strategies.replies import arrays_digest, payload_bytes
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
-Exchange = Callable[[list[Message]], list[Message]]
+Exchange = Callable[[list[Message]], Iterable[Message]]  # a stage's replies, as they arrive
 
 
 def default_degree(cohort: int) -> int:
@@ -74,9 +76,11 @@ class Outcome:
     dropped: dict[int, str] = field(default_factory=dict)  # node -> the stage it left at, and why
     aborted: str | None = None
     masked_sum_digest: str | None = None  # sha256 of the masked inputs' sum mod M, before unmasking
-    masked: list[Message] = field(default_factory=list)  # the train replies (masked vectors, clear telemetry)
+    masked: list[Message] = field(default_factory=list)  # the train replies, arrays dropped once summed
+    digests: dict[int, str] = field(default_factory=dict)  # node -> sha256 of its masked input (the ledger's)
     sent: list[Message] = field(default_factory=list)  # every stage's messages
-    received: list[Message] = field(default_factory=list)  # every stage's replies
+    bytes_down: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))  # node -> stage bytes
+    bytes_up: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
 
 
 @dataclass(frozen=True)
@@ -100,26 +104,37 @@ class SecureRound:
         graph = neighbours(list(content), self.degree)
         group = str(server_round)
 
-        def send(kind: str, records: dict[int, RecordDict]) -> dict[int, Message]:
+        def send(
+            kind: str, records: dict[int, RecordDict], fold: Callable[[int, Message], None] | None = None
+        ) -> dict[int, Message]:
+            """One stage: the replies by node, or with `fold` each reply handed to it as it arrives
+            (the masked inputs: folded into the sum, their arrays dropped, none kept)."""
             messages = [
                 Message(content=rd, message_type=kind, dst_node_id=node, ttl=self.ttl, group_id=group)
                 for node, rd in records.items()
             ]
             out.sent.extend(messages)
-            replies = exchange(messages)  # pushing gives the messages their ids
-            by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-            out.received.extend(replies)
+            for m in messages:
+                out.bytes_down[m.metadata.dst_node_id] += stage_bytes(m.content)
             got: dict[int, Message] = {}
-            for reply in replies:
+            by_id: dict[str, int] = {}
+            for reply in exchange(messages):
+                if not by_id:  # pushing, inside `exchange`, gave the messages their ids
+                    by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
                 node = by_id.get(reply.metadata.reply_to_message_id)
                 if node is None:
                     continue
                 if reply.has_error():
                     self.drop(out, node, kind, f"error reply: {reply.error.reason}")
+                    continue
+                out.bytes_up[node] += stage_bytes(reply.content)
+                if fold is not None:
+                    fold(node, reply)
                 else:
                     got[node] = reply
+            answered = set(got) | (set(out.digests) if fold is not None else set())
             for node in records:
-                if node not in got and node not in out.dropped:
+                if node not in answered and node not in out.dropped:
                     self.drop(out, node, kind, "no reply within the round timeout")
             return got
 
@@ -185,24 +200,30 @@ class SecureRound:
                 {**train_record, "round": server_round, "src": partners[v], "ct": [inbox[v][u] for u in partners[v]]}
             )
             records[v] = rd
-        replies = send(SECAGG_TRAIN, records)
         total = np.zeros(size, dtype=np.uint64)
         wire = prg.word_dtype(self.ring.modulus)
         masked: set[int] = set()
-        for node, reply in replies.items():
+
+        def fold(node: int, reply: Message) -> None:
+            nonlocal total
             try:
                 arrays = reply.content.array_records
                 if len(arrays) != 1 or list(next(iter(arrays.values())).keys()) != [SECAGG_MASKED]:
                     raise ProtocolError("a reply that is not one masked vector")
-                vector = next(iter(arrays.values()))[SECAGG_MASKED].numpy()
+                ((name, record),) = arrays.items()
+                vector = record[SECAGG_MASKED].numpy()
                 if vector.dtype != wire or vector.shape != (size,):
                     raise ProtocolError(f"a masked vector of {vector.dtype} {vector.shape}, not {wire} ({size},)")
             except (KeyError, TypeError, ValueError, ProtocolError) as err:
                 self.drop(out, node, SECAGG_TRAIN, f"malformed masked input ({err})")
-                continue
+                return
             total = (total + vector.astype(np.uint64)) & np.uint64(self.ring.modulus - 1)
+            out.digests[node] = arrays_digest(record)
+            del reply.content[name], vector, record  # folded: the reply keeps its metrics, not its arrays
             out.masked.append(reply)
             masked.add(node)
+
+        send(SECAGG_TRAIN, records, fold)
         out.masked_sum_digest = hashlib.sha256(total.tobytes()).hexdigest()
         if len(masked) < self.threshold:
             return self.abort(out, f"{len(masked)} masked inputs arrived, fewer than the threshold {self.threshold}")
@@ -279,6 +300,15 @@ class SecureRound:
         out.aborted = why
         log.warning("secure aggregation: round aborted, nothing unmasked: %s", why)
         return out
+
+
+def stage_bytes(content: RecordDict) -> int:
+    """A stage message's arrays and the keys, shares and ciphertexts its ConfigRecords carry."""
+    carried = 0
+    for record in content.config_records.values():
+        for value in record.values():
+            carried += sum(len(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, bytes))
+    return payload_bytes(content) + carried
 
 
 def _is_key_of(private_pem: bytes, public_pem: bytes) -> bool:

@@ -74,13 +74,17 @@ class SecureFedAvg(FedAvg):
     """FedAvg whose rounds are SecAgg+ rounds (app/run/federation.py calls `secure_train`)."""
 
     secure = True
-    streams = False  # the masked inputs are summed as they are read; nothing to stream besides
+    streams = False  # no `aggregate_stream`: the masked inputs are summed as they arrive by `secure_train`
 
     def __init__(self, *, secagg: SecAggSettings, dp: DistributedDP | None = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
         self.secagg, self.dp = secagg, dp
         self.last_outcome: Outcome | None = None
         self.sum_digest: str | None = None  # sha256 of the last unmasked sum (the ledger's record)
+
+    def held_replies(self, num_nodes: int, streamed: bool) -> int:
+        """None: each masked input is folded into the sum as it arrives and its arrays dropped."""
+        return 0
 
     def node_count_problem(self, num_nodes: int) -> str | None:
         n = self.cohort_size(num_nodes)
