@@ -451,3 +451,33 @@ def test_compression_int8_quantizes_once_into_a_two_byte_ring() -> None:
     bound = n * ring.step / (sum(examples) / 1000.0)
     for k, v in record_to_tensors(new).items():
         assert torch.allclose(v.double(), want[k], atol=bound, rtol=0), k
+
+
+def test_a_secure_federation_with_the_real_clientapp_records_sums_not_updates(tmp_path) -> None:  # noqa: ANN001
+    """The real ClientApp and ServerApp loop in process: the model learns; each row names the
+    survivors and the sums' hashes; the ledger verifies and records each node's masked input's hash
+    and no weight; no reply metric reveals a count, a loss or an accuracy of one node."""
+    import json
+
+    from app.ledger.verify import verify_run
+    from app.tools.in_process import run_in_process
+
+    summary, grid = run_in_process(
+        "secagg=plus federation.rounds=2 federation.min_train_nodes=4 federation.min_available_nodes=4 "
+        "tracking.tensorboard=false name=secure",
+        tmp_path,
+        nodes=4,
+    )
+    run = tmp_path / "secure"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert summary["status"] == "completed" and rows[-1]["accuracy"] > 0.3, rows[-1]
+    entries = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    for row, entry in zip(rows, entries, strict=True):
+        assert row["num_missing"] == 0 and row["num_clients"] == 4 and row["secagg"]["aborted"] is None
+        assert entry["secagg"] == {k: row["secagg"][k] for k in ("survivors", "masked_sum_sha256", "sum_sha256")}
+        for node in entry["nodes"]:
+            assert node["outcome"] == "applied" and len(node["reply_sha256"]) == 64
+            assert "weight" not in node and "reported_examples" not in node
+    assert verify_run(run) == []
+    kinds = {msg.metadata.message_type for msg in grid.pushed}
+    assert "train" not in kinds and {SECAGG_KEYS, SECAGG_SHARES, SECAGG_TRAIN, SECAGG_UNMASK} <= kinds, kinds

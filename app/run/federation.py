@@ -178,6 +178,8 @@ class FederatedRun:
             self.parts.node_keys.name(nodes)
             before, self.model_digest = self.model_digest, model_digest(state)
             entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
+            if "secagg" in row:  # a secure round: the survivors and the sums' hashes, no per-node weights
+                entry["secagg"] = {k: row["secagg"][k] for k in ("survivors", "masked_sum_sha256", "sum_sha256")}
             self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
         # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
         self.save_state(rnd, row["wall_time_s"], state)

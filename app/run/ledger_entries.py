@@ -78,15 +78,17 @@ def round_nodes(messages: list[Message], replies: list[ReplyFacts], report: Roun
 def secure_nodes(messages: list[Message], outcome: Outcome) -> list[dict]:
     """A secure round's records, one per node sampled: whether its masked input is in the sum, or the
     stage it left at and why; the hash of its masked input (what it sent: `reply_sha256`, so a node
-    can check its receipt), never a count or weight (the server does not learn them)."""
+    can check its receipt) and the compute it reported, never a count or weight (the server does
+    not learn them)."""
     out = []
     for message in messages:
         node = message.metadata.dst_node_id
         record: dict[str, Any] = {"node_id": node}
         if node in outcome.digests:
             record["reply_sha256"] = outcome.digests[node]
+            record |= _claims(outcome.clear.get(node))  # compute and energy: sent in the clear
         if node in outcome.survivors:
-            record["outcome"] = "applied (in the secure sum)"
+            record["outcome"] = "applied"  # inside the secure sum: no weight or share is known
         elif node in outcome.dropped:
             record["outcome"] = f"failed: {printable(outcome.dropped[node])}"
         else:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 
 from app.protocol import SECAGG, SECAGG_KEYS, SECAGG_MASKED, SECAGG_SHARES, SECAGG_TRAIN, SECAGG_UNMASK
@@ -78,6 +78,7 @@ class Outcome:
     masked_sum_digest: str | None = None  # sha256 of the masked inputs' sum mod M, before unmasking
     masked: list[Message] = field(default_factory=list)  # the train replies, arrays dropped once summed
     digests: dict[int, str] = field(default_factory=dict)  # node -> sha256 of its masked input (the ledger's)
+    clear: dict[int, MetricRecord] = field(default_factory=dict)  # node -> the telemetry it sent in the clear
     sent: list[Message] = field(default_factory=list)  # every stage's messages
     bytes_down: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))  # node -> stage bytes
     bytes_up: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -219,6 +220,7 @@ class SecureRound:
                 return
             total = (total + vector.astype(np.uint64)) & np.uint64(self.ring.modulus - 1)
             out.digests[node] = arrays_digest(record)
+            out.clear[node] = next(iter(reply.content.metric_records.values()), MetricRecord())
             del reply.content[name], vector, record  # folded: the reply keeps its metrics, not its arrays
             out.masked.append(reply)
             masked.add(node)
