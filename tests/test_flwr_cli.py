@@ -60,7 +60,12 @@ def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
 
 
 def flwr_run(
-    env: dict[str, str], out_dir: Path, overrides: str, app_dir: Path = ROOT, federation: str = FEDERATION
+    env: dict[str, str],
+    out_dir: Path,
+    overrides: str,
+    app_dir: Path = ROOT,
+    federation: str = FEDERATION,
+    timeout_s: float = RUN_TIMEOUT_S,
 ) -> tuple[int, str, str | None]:
     """`flwr run <app dir> --stream`; returns (exit code, output without colours, run id)."""
     cmd = [
@@ -71,7 +76,7 @@ def flwr_run(
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=RUN_TIMEOUT_S, start_new_session=True,
+        timeout=timeout_s, start_new_session=True,
     )  # fmt: skip
     out = strip_colours(proc.stdout)
     print(f"\n--- flwr run ({time.monotonic() - t0:.1f} s, exit {proc.returncode}) ---\n{out}")

@@ -22,7 +22,6 @@ from app.config.schema import ConfigError
 from app.privacy.skellam import Release, epsilon, sensitivity
 from app.protocol import (
     ARRAYS,
-    CONFIG,
     SECAGG,
     SECAGG_KEYS,
     SECAGG_MASKED,

@@ -19,21 +19,20 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.tools.processes import free_ports, processes_under, strip_colours
-from tests.test_flwr_cli import flwr_env, run_status  # noqa: F401 - flwr_env is a fixture
+from app.tools.processes import free_ports, processes_under
+from tests.test_flwr_cli import flwr_env, flwr_run, run_status  # noqa: F401 - flwr_env is a fixture
 from tests.test_superlink_loopback import LoopbackFederation, tail, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT_S = 900  # a 10-node secure run: ~1-3 min idle on 2 cores; hang detector
 NODES = 10
 FEDERATION = f"num-supernodes={NODES} client-resources-num-cpus=1"
 SHA256 = re.compile(r"[0-9a-f]{64}")
+RUN_TIMEOUT_S = 900  # a 10-node secure run: ~1-3 min idle on 2 cores; a hang detector
 TRAIN_STAGE = "train.secagg"  # app/protocol.py SECAGG_TRAIN
 
 
@@ -41,21 +40,9 @@ def flwr_run_secagg(env: dict[str, str], out_dir: Path, overrides: str) -> tuple
     """`flwr run . --stream` with `overrides` on NODES simulated nodes; checks Flower's verdict
     (`finished:completed`: `--stream` exits 0 even when the ServerApp failed) and returns the
     run's summary.json and metrics.jsonl rows."""
-    cmd = [
-        "flwr", "run", str(ROOT), "--stream",
-        "--run-config", f"output-dir='{out_dir}' overrides='{overrides}'",
-        "--federation-config", FEDERATION,
-    ]  # fmt: skip
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=RUN_TIMEOUT_S, start_new_session=True,
-    )  # fmt: skip
-    out = strip_colours(proc.stdout)
-    print(f"\n--- flwr run ({time.monotonic() - t0:.1f} s, exit {proc.returncode}) ---\n{out}")
-    match = re.search(r"Successfully started run (\d+)", out)
-    assert proc.returncode == 0 and match, out[-4000:]
-    status = run_status(env, match.group(1))
+    code, out, run_id = flwr_run(env, out_dir, overrides, federation=FEDERATION, timeout_s=RUN_TIMEOUT_S)
+    assert code == 0 and run_id, out[-4000:]
+    status = run_status(env, run_id)
     assert status["status"] == "finished:completed", f"{status}\n{out[-4000:]}"
     (summary_path,) = out_dir.rglob("summary.json")
     rows = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]

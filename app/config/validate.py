@@ -20,6 +20,7 @@ from app.config.schema import (
     COMPRESSIONS,
     CONTRIBUTIONS,
     DATASETS,
+    DISTRIBUTED_PRIVACY,
     DOWNLINKS,
     FLEET_SPEEDS,
     LEDGERS,
@@ -29,13 +30,12 @@ from app.config.schema import (
     OPTIMIZERS,
     PARTITIONS,
     PEFT_METHODS,
-    DISTRIBUTED_PRIVACY,
     PRIVACY,
     ROBUST_POLICIES,
-    SECAGG_POLICIES,
-    SECAGGS,
     ROBUST_RULES,
     ROW_COLUMNS,
+    SECAGG_POLICIES,
+    SECAGGS,
     STRAGGLERS,
     STRATEGIES,
     TASK_TYPES,
@@ -740,7 +740,9 @@ def _validate_secagg(p: Problems, cfg: Config) -> None:
         sa.modulus_range,
         "must be a power of two in [4, 2^62] (masks are uniform in Z_M only for a power of two)",
     )
-    p.require(sa.max_weight >= 0, "secagg.max_weight", sa.max_weight, "must be >= 1, or 0 = federation.max_examples_per_node")
+    p.require(
+        sa.max_weight >= 0, "secagg.max_weight", sa.max_weight, "must be >= 1, or 0 = federation.max_examples_per_node"
+    )
     p.one_of("secagg.on_too_few", sa.on_too_few, SECAGG_POLICIES)
     if dp.name in DISTRIBUTED_PRIVACY:
         p.require(

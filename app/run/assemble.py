@@ -39,11 +39,11 @@ from app.run.factory import (
     central_dp,
     check_cohort,
     downlink_encoder,
-    secure_aggregation,
     example_cap,
     global_model,
     partition_sizes,
     run_privacy,
+    secure_aggregation,
     uplink_decoder,
 )
 from app.run.memory import streams
@@ -334,7 +334,11 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
 
     dp = central_dp(cfg)
     dim = sum(a.numpy().size for a in arrays.values() if np.issubdtype(a.numpy().dtype, np.floating))
-    largest = max(partition_sizes(cfg, key, len(nodes))(i)[0] for i in range(len(nodes))) if simulated and cfg.secagg.name != "none" else None
+    largest = (
+        max(partition_sizes(cfg, key, len(nodes))(i)[0] for i in range(len(nodes)))
+        if simulated and cfg.secagg.name != "none"
+        else None
+    )
     secagg, distributed = secure_aggregation(cfg, dim, largest)
     privacy = run_privacy(cfg, dp or distributed, partitions, _run_state(ckpt), names)
     node_config = privacy.node_config()

@@ -17,7 +17,16 @@ from flwr.app import ArrayRecord, MessageType, MetricRecord
 from app.compression.downlink import Downlink
 from app.compression.packing import NodeModel, unpack
 from app.config.registry import Registry
-from app.config.schema import DISTRIBUTED_PRIVACY, PRIVACY, ROBUST_RULES, STRATEGIES, CompressionConfig, Config, ConfigError, StrategyConfig
+from app.config.schema import (
+    DISTRIBUTED_PRIVACY,
+    PRIVACY,
+    ROBUST_RULES,
+    STRATEGIES,
+    CompressionConfig,
+    Config,
+    ConfigError,
+    StrategyConfig,
+)
 from app.privacy.accounting import Prescription
 from app.protocol import PARTITION_ID
 from app.run.privacy import CentralPrivacy, DistributedPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
@@ -312,7 +321,11 @@ _PRIVACY: Registry[Callable[..., RunPrivacy]] = Registry(
 
 
 def run_privacy(
-    cfg: Config, dp: CentralDP | DistributedDP | None, partitions: PartitionBinding, state: dict[str, Any], names: NodeNames
+    cfg: Config,
+    dp: CentralDP | DistributedDP | None,
+    partitions: PartitionBinding,
+    state: dict[str, Any],
+    names: NodeNames,
 ) -> RunPrivacy:
     """The run's privacy book-keeping for `privacy.name`, chosen once: the loops, the strategy's
     weight cap (`screening`) and its per-node task keys (`node_config`) ask it, never the name."""

@@ -317,8 +317,10 @@ class FederatedRun:
                 ),
                 **({"secagg": secure_row(secure, self.strategy.sum_digest)} if secure is not None else {}),
             }
-            nodes = round_nodes(messages, replies, report, cfg.strategy.name) if secure is None else secure_nodes(
-                messages, secure
+            nodes = (
+                round_nodes(messages, replies, report, cfg.strategy.name)
+                if secure is None
+                else secure_nodes(messages, secure)
             )
             self.secure_outcome = None
             if self.scores is not None:

@@ -243,7 +243,9 @@ class DistributedPrivacy(NoPrivacy):
         return row
 
     def describe(self, row: dict[str, Any]) -> str | None:
-        return f"epsilon {row['epsilon']:.3f} (delta {self.dp.delta:g}, distributed Skellam), clip {row['clip_norm']:.4g}"
+        return (
+            f"epsilon {row['epsilon']:.3f} (delta {self.dp.delta:g}, distributed Skellam), clip {row['clip_norm']:.4g}"
+        )
 
     def summary(self) -> dict[str, Any]:
         return self.dp.summary()

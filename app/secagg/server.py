@@ -62,9 +62,7 @@ def neighbours(nodes: Sequence[int], degree: int, rng: secrets.SystemRandom | No
     if degree >= n - 1:
         return {v: [u for u in order if u != v] for v in order}
     half = (degree + 1) // 2
-    return {
-        v: sorted({order[(i + d) % n] for d in range(-half, half + 1) if d != 0}) for i, v in enumerate(order)
-    }
+    return {v: sorted({order[(i + d) % n] for d in range(-half, half + 1) if d != 0}) for i, v in enumerate(order)}
 
 
 @dataclass
@@ -143,9 +141,7 @@ class SecureRound:
             return RecordDict({SECAGG: ConfigRecord({"round": server_round, **node_config})})
 
         # 1. keys
-        replies = send(
-            SECAGG_KEYS, {v: config({"threshold": self.threshold, "neighbours": graph[v]}) for v in content}
-        )
+        replies = send(SECAGG_KEYS, {v: config({"threshold": self.threshold, "neighbours": graph[v]}) for v in content})
         keys: dict[int, tuple[bytes, bytes]] = {}
         for node, reply in replies.items():
             try:
@@ -166,9 +162,7 @@ class SecureRound:
         records = {}
         for v in alive:
             ids = [u for u in [v, *graph[v]] if u in alive]
-            records[v] = config(
-                {"ids": ids, "c-pk": [keys[u][0] for u in ids], "s-pk": [keys[u][1] for u in ids]}
-            )
+            records[v] = config({"ids": ids, "c-pk": [keys[u][0] for u in ids], "s-pk": [keys[u][1] for u in ids]})
         replies = send(SECAGG_SHARES, records)
         inbox: dict[int, dict[int, bytes]] = {v: {} for v in replies}
         digests: dict[int, bytes] = {}
@@ -236,7 +230,12 @@ class SecureRound:
 
         # 4. unmask
         records = {
-            v: config({"active": [u for u in [v, *partners[v]] if u in masked], "dropped": [u for u in partners[v] if u not in masked]})
+            v: config(
+                {
+                    "active": [u for u in [v, *partners[v]] if u in masked],
+                    "dropped": [u for u in partners[v] if u not in masked],
+                }
+            )
             for v in masked
         }
         replies = send(SECAGG_UNMASK, records)
@@ -292,7 +291,11 @@ class SecureRound:
         return kept
 
     def too_few(self, alive: set[int], what: str) -> str | None:
-        return f"{len(alive)} nodes {what}, fewer than the threshold {self.threshold}" if len(alive) < self.threshold else None
+        return (
+            f"{len(alive)} nodes {what}, fewer than the threshold {self.threshold}"
+            if len(alive) < self.threshold
+            else None
+        )
 
     def drop(self, out: Outcome, node: int, stage: str, why: str) -> None:
         out.dropped.setdefault(node, f"{stage}: {why}")

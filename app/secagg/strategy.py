@@ -186,4 +186,3 @@ class SecureFedAvg(FedAvg):
         super().load_state_dict(state)
         if self.dp is not None and "distributed_dp" in state:
             self.dp.load_state_dict(state["distributed_dp"])
-
