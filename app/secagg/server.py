@@ -102,6 +102,8 @@ class SecureRound:
         content = {m.metadata.dst_node_id: m for m in tasks}
         graph = neighbours(list(content), self.degree)
         group = str(server_round)
+        if not 2 <= self.threshold <= min(self.degree, len(content) - 1) + 1:
+            return self.abort(out, f"t = {self.threshold} with {len(content)} nodes sampled and k = {self.degree}")
 
         def send(
             kind: str, records: dict[int, RecordDict], fold: Callable[[int, Message], None] | None = None
@@ -227,6 +229,9 @@ class SecureRound:
         for v in masked:
             if len([u for u in [v, *partners[v]] if u in masked]) < self.threshold:
                 return self.abort(out, f"fewer than t = {self.threshold} of {self.name(v)}'s neighbours are left")
+        for d in {u for v in masked for u in partners[v] if u not in masked}:
+            if len([v for v in masked if d in partners[v]]) < self.threshold:
+                return self.abort(out, f"fewer than t = {self.threshold} nodes hold shares of dropped {self.name(d)}")
 
         # 4. unmask
         records = {
