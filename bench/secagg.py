@@ -268,6 +268,7 @@ def run_one(
     if variant == "secagg":
         overrides += secagg_overrides(s)
     fed = f"num-supernodes={cohort} client-resources-num-cpus={args.client_cpus}"
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     result = run_in_simulation(job, root / "runs", overrides, fed, args.timeout, app_dir=dirs[variant])
     wall = time.monotonic() - started
@@ -278,14 +279,21 @@ def run_one(
         "cohort": cohort,
         "overrides": overrides,
         "flwr_run_wall_s": round(wall, 1),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after: others' work
         "error": result["error"],
         **summarize(rows, wire, cohort, args.include_first_round),
     }
+    # A round that left the model as it was (Flower's workflow halts a round and goes on, and the run
+    # still "completes"; ours skips a round with too few survivors) or error replies: not a result.
+    out["halted_rounds"] = [r["round"] for r in rows if r.get("model_updated") is False]
+    out["reply_errors"] = sum(
+        int(c.get("reply_errors", 0)) for c in (wire or {str(r["round"]): r for r in rows}).values()
+    )
     if variant == "flower":
-        out["reply_errors"] = sum(int(r.get("reply_errors", 0)) for r in rows)
-        out["halted_rounds"] = [r["round"] for r in rows if r.get("model_updated") is False]
         out["global_dtypes"] = rows[-1].get("global_dtypes") if rows else None
-    if result["error"] or len(rows) != args.rounds:
+    if not out["error"] and (out["halted_rounds"] or out["reply_errors"]):
+        out["error"] = f"rounds {out['halted_rounds']} left the model unchanged; {out['reply_errors']} error replies"
+    if out["error"] or len(rows) != args.rounds:
         log_tail = (job / "flwr.log").read_text(errors="replace")[-3000:] if (job / "flwr.log").is_file() else ""
         out["error"] = out["error"] or f"{len(rows)} of {args.rounds} rounds recorded"
         out["log_tail"] = log_tail
@@ -451,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
                     if r["error"]
                     else (f"round {r['round_time_s']:.2f} s (rounds {r['round_times_s']}), acc {r['final_accuracy']}")
                 )
-                print(f"{workload} {cohort:3d} {variant:7s} {status}  [flwr run {r['flwr_run_wall_s']} s]", flush=True)
+                print(
+                    f"{workload} {cohort:3d} {variant:7s} {status}  [flwr run {r['flwr_run_wall_s']} s,"
+                    f" load {r['load_average_1min']}]",
+                    flush=True,
+                )
                 if r["error"] and r.get("log_tail"):
                     print("    log tail:\n" + "\n".join("    " + line for line in r["log_tail"].splitlines()[-25:]))
         comparisons = compare(runs)
