@@ -458,15 +458,25 @@ def test_a_secure_federation_with_the_real_clientapp_records_sums_not_updates(tm
     and no weight; no reply metric reveals a count, a loss or an accuracy of one node."""
     import json
 
+    from app.client_app import app as client_app
     from app.ledger.verify import verify_run
     from app.tools.in_process import run_in_process
+
+    carried: list[set[str]] = []  # every reply's array names, as the grid hands it to the server
+
+    def instrument(node: int, reply: Message) -> Message:
+        if not reply.has_error():
+            carried.append({k for record in reply.content.array_records.values() for k in record})
+        return reply
 
     summary, grid = run_in_process(
         "secagg=plus federation.rounds=2 federation.min_train_nodes=4 federation.min_available_nodes=4 "
         "tracking.tensorboard=false name=secure",
         tmp_path,
-        nodes=4,
+        grid=InProcessGrid(client_app, 4, tamper=instrument),
     )
+    assert carried and all(keys <= {SECAGG_MASKED} for keys in carried), carried
+    assert sum(keys == {SECAGG_MASKED} for keys in carried) == 2 * 4  # one masked input per node and round
     run = tmp_path / "secure"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert summary["status"] == "completed" and rows[-1]["accuracy"] > 0.3, rows[-1]
