@@ -28,10 +28,11 @@ epoch on 16 random 28x28 images a node, so that masking and crypto dominate, at 
 node trains every round (`federation.min_train_nodes=N`, fraction 1.0).
 
     python bench/secagg.py                                   # everything above, 3 rounds each
-    python bench/secagg.py --json docs/secagg-benchmark.json
+    python bench/secagg.py --rounds 4 --repeats 2 --json docs/secagg-benchmark.json   # the committed result
     python bench/secagg.py --workloads digits --cohorts 10 --rounds 2 --variants fedavg flower  # quick
 
-Reported per workload, cohort and variant: the mean round time over rounds 2..R (round 1 also
+Reported per workload, cohort and variant (with --repeats, the median over the interleaved
+repeats of each run's figure): the mean round time over rounds 2..R (round 1 also
 pays the ClientApps' start-up: Ray workers, imports, data; --include-first-round keeps it), the
 payload bytes per client per round, down and up, over the same rounds, counted on the grid for
 every variant alike (every message of every stage: arrays, plus every key, share and masked vector
@@ -251,8 +252,9 @@ def run_one(
     data: Path,
     s: dict[str, Any],
     dirs: dict[str, Path],
+    repeat: int = 0,
 ) -> dict[str, Any]:
-    name = f"{workload}-{cohort}-{variant}"
+    name = f"{workload}-{cohort}-{variant}-{repeat}"
     job = root / "jobs" / name
     job.mkdir(parents=True)
     overrides = [
@@ -277,6 +279,7 @@ def run_one(
         "variant": variant,
         "workload": workload,
         "cohort": cohort,
+        "repeat": repeat,
         "overrides": overrides,
         "flwr_run_wall_s": round(wall, 1),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after: others' work
@@ -314,6 +317,36 @@ def fmt_bytes(n: float | None) -> str:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per workload, cohort and variant over its repeats: the median round time (the
+    machine's other load comes in bursts), the mean bytes and final accuracy; an error if any
+    repeat failed."""
+    out = []
+    for key in dict.fromkeys((r["workload"], r["cohort"], r["variant"]) for r in runs):
+        reps = [r for r in runs if (r["workload"], r["cohort"], r["variant"]) == key]
+        ok = [r for r in reps if not r["error"]]
+
+        def pick(m: str, f: Any, ok: list[dict[str, Any]] = ok) -> float | None:  # noqa: ANN401
+            values = [r[m] for r in ok if r[m] is not None]
+            return f(values) if values else None
+
+        out.append(
+            {
+                "workload": key[0],
+                "cohort": key[1],
+                "variant": key[2],
+                "error": "; ".join(str(r["error"]) for r in reps if r["error"]) or None,
+                "round_time_s": pick("round_time_s", lambda xs: float(np.median(xs))),
+                "round_time_s_runs": [r["round_time_s"] for r in ok],
+                "bytes_down_per_client": pick("bytes_down_per_client", lambda xs: float(np.mean(xs))),
+                "bytes_up_per_client": pick("bytes_up_per_client", lambda xs: float(np.mean(xs))),
+                "final_accuracy": pick("final_accuracy", lambda xs: float(np.mean(xs))),
+                "final_accuracy_runs": [r["final_accuracy"] for r in ok],
+            }
+        )
+    return out
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -357,6 +390,9 @@ def goals(comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "goal": f"secagg final accuracy within {GOAL_ACCURACY_POINTS:g} points of fedavg (default task)",
             "measured": {str(n): v for n, v in acc},
             "met": None if not acc else all(abs(v) <= GOAL_ACCURACY_POINTS for _, v in acc),
+            # One test example of the digits test split (360) is 0.28 points: a difference above is one
+            # or two examples either way; this says whether secagg was at most 0.5 points *below*.
+            "met_one_sided": None if not acc else all(v >= -GOAL_ACCURACY_POINTS for _, v in acc),
         },
     ]
 
@@ -387,7 +423,8 @@ def print_report(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]], 
     print()
     for g in met:
         verdict = {True: "MET", False: "NOT MET", None: "not measured"}[g["met"]]
-        print(f"[{verdict}] {g['goal']}: {g['measured']}")
+        extra = "" if g.get("met_one_sided") is None else f" (no more than 0.5 points below: {g['met_one_sided']})"
+        print(f"[{verdict}] {g['goal']}: {g['measured']}{extra}")
 
 
 def git_state() -> dict[str, Any]:
@@ -419,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-weight", dest="max_weight", type=float, default=None, help="0: automatic")
     parser.add_argument("--client-cpus", type=int, default=1, help="client-resources-num-cpus")
     parser.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each variant, interleaved; medians reported")
     parser.add_argument("--include-first-round", action="store_true", help="average round 1 in too")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the runs' directory (printed)")
@@ -451,24 +489,28 @@ def main(argv: list[str] | None = None) -> int:
         if "flower" in variants:
             dirs["flower"] = flower_app_dir(root, s, args.timeout)
         for workload, cohort in plan:
-            for variant in variants:  # interleaved: the variants of a cohort see the same machine load
-                r = run_one(variant, workload, cohort, args, root, data, s, dirs)
-                runs.append(r)
-                status = (
-                    f"failed: {str(r['error'])[:500]}"
-                    if r["error"]
-                    else (f"round {r['round_time_s']:.2f} s (rounds {r['round_times_s']}), acc {r['final_accuracy']}")
-                )
-                print(
-                    f"{workload} {cohort:3d} {variant:7s} {status}  [flwr run {r['flwr_run_wall_s']} s,"
-                    f" load {r['load_average_1min']}]",
-                    flush=True,
-                )
-                if r["error"] and r.get("log_tail"):
-                    print("    log tail:\n" + "\n".join("    " + line for line in r["log_tail"].splitlines()[-25:]))
-        comparisons = compare(runs)
+            for repeat in range(args.repeats):
+                # Interleaved, the order reversed every other repeat: the variants of a cohort see the
+                # same machine load, and none always runs first.
+                for variant in variants if repeat % 2 == 0 else variants[::-1]:
+                    r = run_one(variant, workload, cohort, args, root, data, s, dirs, repeat)
+                    runs.append(r)
+                    status = (
+                        f"failed: {str(r['error'])[:500]}"
+                        if r["error"]
+                        else f"round {r['round_time_s']:.2f} s (rounds {r['round_times_s']}), acc {r['final_accuracy']}"
+                    )
+                    print(
+                        f"{workload} {cohort:3d} {variant:7s} #{repeat} {status}  [flwr run {r['flwr_run_wall_s']} s,"
+                        f" load {r['load_average_1min']}]",
+                        flush=True,
+                    )
+                    if r["error"] and r.get("log_tail"):
+                        print("    log tail:\n" + "\n".join("    " + ln for ln in r["log_tail"].splitlines()[-25:]))
+        results = combine(runs)
+        comparisons = compare(results)
         met = goals(comparisons)
-        print_report(runs, comparisons, met)
+        print_report(results, comparisons, met)
         if args.json:
             out = {
                 "what": __doc__.split("\n\n")[0],
@@ -481,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                 "secagg": s,
                 "secagg_skipped": skipped,
                 "mlp11m_parameters": MLP_PARAMS,
+                "repeats": args.repeats,
+                "results": results,
                 "runs": [{k: v for k, v in r.items() if k != "log_tail"} for r in runs],
                 "comparisons": comparisons,
                 "goals": met,
