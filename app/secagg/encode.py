@@ -43,7 +43,7 @@ def node_vector(
     record: ConfigRecord,
     generator: torch.Generator,
 ) -> np.ndarray:
-    """This node's input to the secure sum (uint64 in [0, M)), before masking."""
+    """This node's input to the secure sum (in [0, M), the ring's wire word), before masking."""
     ring, layout = ring_of(record), Layout.of(received, list(record[SECAGG_EXTRAS]))
     update = {k: trained[k].detach().cpu().double() - received[k].detach().cpu().double() for k in layout.keys}
     clip_norm, noise = float(record.get(SECAGG_CLIP_NORM, 0.0)), float(record.get(SECAGG_NOISE, 0.0))
@@ -51,13 +51,13 @@ def node_vector(
     if clip_norm > 0:
         norm = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in update.values()]))) if update else 0.0
         scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
-        update = {k: t * scale for k, t in update.items()}
+        update = {k: t.mul_(scale) for k, t in update.items()}
         extras[UNCLIPPED] = 1.0 if norm <= clip_norm else 0.0
         weight = 1.0
     else:
         cap = float(record[SECAGG_MAX_WEIGHT])
         weight = min(float(examples), cap) / cap
-        update = {k: t * weight for k, t in update.items()}
+        update = {k: t.mul_(weight) for k, t in update.items()}
     c = ring.clipping_range
     numel = sum(t.numel() for t in update.values())
     beyond = sum(int((t.abs() > c).sum()) for t in update.values())

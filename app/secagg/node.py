@@ -257,15 +257,18 @@ def receive_shares(config: ConfigRecord, context: Context) -> NodeState:
 
 
 def mask(state: NodeState, vector: np.ndarray, modulus: int, context: Context) -> np.ndarray:
-    """Stage 3, after training: the ring vector hidden by the self mask and the pairwise masks."""
-    out = (vector + prg.mask(state.seed, vector.size, modulus)) & np.uint64(modulus - 1)
+    """Stage 3, after training: the ring vector hidden by the self mask and the pairwise masks
+    (arithmetic in the wire word wraps modulo 2^bits, which M divides; reduced mod M once)."""
+    word = prg.word_dtype(modulus)
+    out = vector.astype(word)  # a copy: masked in place
+    np.add(out, prg.mask(state.seed, vector.size, modulus), out=out)
     for other in state.partners:
         pairwise = prg.mask(pair_seed(state.s_sk, state.keys[other][1]), vector.size, modulus)
-        out = (out + pairwise) if state.node > other else (out - pairwise)
-        out &= np.uint64(modulus - 1)
+        (np.add if state.node > other else np.subtract)(out, pairwise, out=out)
+    out &= word.type(modulus - 1)
     state.stage = MASKED
     save(context, state)
-    return out.astype(prg.word_dtype(modulus))
+    return out
 
 
 def reveal(config: ConfigRecord, context: Context) -> ConfigRecord:

@@ -27,11 +27,12 @@ def word_dtype(modulus: int) -> np.dtype:
 
 
 def mask(seed: bytes, length: int, modulus: int) -> np.ndarray:
-    """`length` elements uniform in Z_modulus (uint64), a deterministic function of `seed`."""
+    """`length` elements uniform in Z_modulus, in `word_dtype(modulus)`, a deterministic function of
+    `seed` (read-only when the modulus fills the word: use it as an operand, not in place)."""
     if modulus < 2 or modulus & (modulus - 1):
         raise ValueError(f"the ring's modulus must be a power of two, got {modulus}")
     dtype = word_dtype(modulus)
     key = hashlib.sha256(b"fedgpu-secagg-mask\x00" + seed).digest()
     stream = Cipher(algorithms.AES(key), modes.CTR(_NONCE)).encryptor().update(bytes(length * dtype.itemsize))
-    words = np.frombuffer(stream, dtype=dtype).astype(np.uint64)
-    return words & np.uint64(modulus - 1)
+    words = np.frombuffer(stream, dtype=dtype)
+    return words if modulus == 2 ** (8 * dtype.itemsize) else words & dtype.type(modulus - 1)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from app.secagg.prg import word_dtype
+
 # extras: name -> divisor that brings the value into [-c, c] for any c >= 1 (a loss up to 64 fits)
 WEIGHT, LOSS, ACCURACY, CLIPPED, UNCLIPPED = "weight", "loss", "accuracy", "clipped", "unclipped"
 EXTRA_SCALE = {WEIGHT: 1.0, LOSS: 64.0, ACCURACY: 1.0, CLIPPED: 1.0, UNCLIPPED: 1.0}
@@ -60,20 +62,21 @@ class Ring:
         return None
 
     def encode(self, x: torch.Tensor, generator: torch.Generator | None) -> np.ndarray:
-        """`x` (float, flat) clipped to [-c, c] in ring units mod M (uint64): stochastic rounding
+        """`x` (float, flat) clipped to [-c, c] in ring units mod M (`reduce`): stochastic rounding
         with a generator, rounding to nearest without one."""
         c = self.clipping_range
-        y = x.detach().to(torch.float64).clamp(-c, c) / self.step
-        if generator is None:
-            ints = torch.round(y)
-        else:
-            low = torch.floor(y)
-            ints = low + (torch.rand(y.shape, generator=generator, dtype=torch.float64) < (y - low)).to(y.dtype)
+        y = x.detach().to(torch.float64).clamp(-c, c).div_(self.step)  # clamp copies: `x` is left alone
+        ints = torch.floor(y) if generator is not None else torch.round(y)
+        if generator is not None:  # up with probability frac(y): unbiased (uniforms to 2^-24: bias below that)
+            up = y.sub_(ints) > torch.rand(y.shape, generator=generator, dtype=torch.float32)
+            ints.add_(up)
         return self.reduce(ints.to(torch.int64).numpy())
 
     def reduce(self, ints: np.ndarray) -> np.ndarray:
-        """Signed integers mod M, as uint64 in [0, M)."""
-        return ints.astype(np.int64).view(np.uint64) & np.uint64(self.modulus - 1)
+        """Signed integers mod M, in [0, M) as the ring's wire word (`prg.word_dtype`: casting wraps
+        modulo the word's 2^bits, which M divides)."""
+        word = word_dtype(self.modulus)
+        return ints.astype(np.int64).astype(word) & word.type(self.modulus - 1)
 
     def decode(self, total: np.ndarray) -> np.ndarray:
         """A sum mod M read back centred, in float units (float64)."""

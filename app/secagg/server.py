@@ -197,12 +197,12 @@ class SecureRound:
                 {**train_record, "round": server_round, "src": partners[v], "ct": [inbox[v][u] for u in partners[v]]}
             )
             records[v] = rd
-        total = np.zeros(size, dtype=np.uint64)
         wire = prg.word_dtype(self.ring.modulus)
+        top = wire.type(self.ring.modulus - 1)
+        total = np.zeros(size, dtype=wire)  # sums wrap modulo the word's 2^bits, which M divides
         masked: set[int] = set()
 
         def fold(node: int, reply: Message) -> None:
-            nonlocal total
             try:
                 arrays = reply.content.array_records
                 if len(arrays) != 1 or list(next(iter(arrays.values())).keys()) != [SECAGG_MASKED]:
@@ -214,7 +214,7 @@ class SecureRound:
             except (KeyError, TypeError, ValueError, ProtocolError) as err:
                 self.drop(out, node, SECAGG_TRAIN, f"malformed masked input ({err})")
                 return
-            total = (total + vector.astype(np.uint64)) & np.uint64(self.ring.modulus - 1)
+            np.add(total, vector, out=total)
             out.digests[node] = arrays_digest(record)
             out.clear[node] = next(iter(reply.content.metric_records.values()), MetricRecord())
             del reply.content[name], vector, record  # folded: the reply keeps its metrics, not its arrays
@@ -222,6 +222,7 @@ class SecureRound:
             masked.add(node)
 
         send(SECAGG_TRAIN, records, fold)
+        total &= top
         out.masked_sum_digest = hashlib.sha256(total.tobytes()).hexdigest()
         if len(masked) < self.threshold:
             return self.abort(out, f"{len(masked)} masked inputs arrived, fewer than the threshold {self.threshold}")
@@ -263,7 +264,7 @@ class SecureRound:
             seed = self.rebuild(seed_shares.get(v, []), lambda s, v=v: seed_digest(s) == digests[v])
             if seed is None:
                 return self.abort(out, f"the self-mask seed of {self.name(v)} could not be rebuilt from t shares")
-            total = (total - prg.mask(seed, size, self.ring.modulus)) & np.uint64(self.ring.modulus - 1)
+            np.subtract(total, prg.mask(seed, size, self.ring.modulus), out=total)
         for d in {u for v in masked for u in partners[v] if u not in masked}:
             key = self.rebuild(key_shares.get(d, []), lambda s, d=d: _is_key_of(s, keys[d][1]))
             if key is None:
@@ -271,8 +272,8 @@ class SecureRound:
             for v in masked:
                 if d in partners[v]:
                     pairwise = prg.mask(pair_seed(key, keys[v][1]), size, self.ring.modulus)
-                    total = (total - pairwise) if v > d else (total + pairwise)
-                    total &= np.uint64(self.ring.modulus - 1)
+                    (np.subtract if v > d else np.add)(total, pairwise, out=total)
+        total &= top
         out.total, out.survivors = total, sorted(masked)
         return out
 
