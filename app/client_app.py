@@ -31,6 +31,7 @@ from app.protocol import (
     BATCH_SIZE,
     CONFIG,
     DATA_PATH,
+    DITTO_LAMBDA,
     DOWNLINK,
     ENCODE_S,
     EVAL_LOSS,
@@ -46,10 +47,14 @@ from app.protocol import (
     OOM_RETRIES,
     PARTITION_ID,
     PEAK_GPU_MEM_MB,
+    PROXIMAL_MU,
     RECEIPT_HASH,
     RECEIPT_REPLY,
     RECEIPT_STEP,
+    REGION_SUPERLINK,
     ROUNDS_KEY,
+    SCAFFOLD_C,
+    SCAFFOLD_DELTA,
     SECAGG,
     SERVER_ROUND,
     STATE_DIR,
@@ -75,9 +80,12 @@ from app.task.data import (
     split_validation,
 )
 from app.task.distributed import Work, local_devices, train_on_devices
+from app.task.ditto import PERSONAL, keep_personal, personal_file, personal_model, personal_state, train_personal
 from app.task.gpu_memory import MemoryCap, cap_memory, memory_share, release
+from app.task.kept import save_kept
 from app.task.metrics import Task
 from app.task.models import build_model, freeze, trainable_keys
+from app.task.scaffold import corrections, keep, new_variate, node_variate, variate_file
 from app.task.telemetry import GpuTelemetry, log_hidden_gpus_once
 from app.task.training import (
     Precision,
@@ -263,6 +271,11 @@ def save_scaler_state(state: RecordDict, scaler_state: dict[str, float | int]) -
         state[SCALER_STATE] = ConfigRecord(scaler_state)
 
 
+def state_dir_of(context: Context) -> str:
+    """This node's `state-dir` (node config): where it keeps what must outlive a restart; "" without one."""
+    return str(context.node_config.get(STATE_DIR, "") or "")
+
+
 def reply_arrays(
     job: Job, state: dict[str, torch.Tensor], context: Context, seed: int, metrics: dict[str, Any]
 ) -> ArrayRecord:
@@ -277,7 +290,7 @@ def reply_arrays(
     started = time.perf_counter()
     device = job.precision.device
     on_device = {k: v.to(device) for k, v in state.items()}
-    state_dir = str(context.node_config.get(STATE_DIR, "") or "")
+    state_dir = state_dir_of(context)
     saved = residual_file(state_dir, context.run_id) if state_dir else None
     arrays = pack(on_device, job.received, cfg, context.state, torch.Generator(device).manual_seed(seed), saved)
     metrics[ENCODE_S] = time.perf_counter() - started
@@ -294,7 +307,7 @@ SENT_KEPT = 64
 def receipts_file(context: Context) -> Path | None:
     """`state-dir/ledger-receipts-run<run id>.jsonl`, where a site keeps its receipts and the
     hashes of its replies (`python -m app.ledger receipts RUN_DIR --check FILE` reads it)."""
-    state_dir = str(context.node_config.get(STATE_DIR, "") or "")
+    state_dir = state_dir_of(context)
     return Path(state_dir) / f"ledger-receipts-run{context.run_id}.jsonl" if state_dir else None
 
 
@@ -375,6 +388,39 @@ def keep_receipt(record: dict, context: Context) -> None:
     _keep_line(context, line)
 
 
+Scaffold = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], Path | None]
+
+
+def ditto_file(context: Context) -> Path | None:
+    """Where this node keeps Ditto's personal model, with a state-dir."""
+    state_dir = state_dir_of(context)
+    return personal_file(state_dir, context.run_id) if state_dir else None
+
+
+def scaffold_start(msg: Message, context: Context, job: Job) -> Scaffold | None:
+    """A SCAFFOLD task (it carries the server's c): (c, this node's c_i, the correction c - c_i of
+    each trainable parameter, the file c_i is kept in with a state-dir); None for any other task."""
+    if SCAFFOLD_C not in msg.content:
+        return None
+    server_c = msg.content[SCAFFOLD_C].to_torch_state_dict()
+    state_dir = state_dir_of(context)
+    saved = variate_file(state_dir, context.run_id) if state_dir else None
+    variate = node_variate(context.state, saved, server_c)
+    return server_c, variate, corrections(job.model, server_c, variate, job.precision.device), saved
+
+
+def scaffold_finish(
+    scaffold: Scaffold, job: Job, trained: dict[str, torch.Tensor], steps: int, lr: float, context: Context
+) -> dict[str, torch.Tensor]:
+    """After training: c_i+ kept (state, and the file), and the reply's arrays of c_i+ - c_i."""
+    server_c, variate, correction, saved = scaffold
+    new, delta = new_variate(variate, server_c, job.received, trained, set(correction), steps, lr)
+    keep(context.state, new)
+    if saved is not None:
+        save_kept(saved, new)
+    return {SCAFFOLD_DELTA + k: d.detach().cpu().contiguous() for k, d in delta.items()}
+
+
 def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor], dict[str, Any], int]:
     """Train on a task: the job, the tensors the server aggregates (after any simulated attack),
     the reply's metrics and the task's seed."""
@@ -394,6 +440,9 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
     rounds = int(job.record.get(ROUNDS_KEY, 0))
     lr = round_lr(settings.train, int(job.record.get(SERVER_ROUND, 0)), rounds)
     cfg = replace(settings.train, batch_size=node_batch_size(job, context, train_data), lr=lr)
+    mu = float(job.record.get(PROXIMAL_MU, 0.0))  # FedProx (strategy.proximal_mu; refused with local DP)
+    scaffold = scaffold_start(msg, context, job)  # strategy=scaffold: (c, c_i, the correction, its file)
+    correction = scaffold[2] if scaffold else None
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if job.local_dp:
             from app.privacy.accounting import history_key
@@ -414,10 +463,22 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
             scaler_state = load_scaler_state(context.state)
             devices = local_devices(cfg.local_devices, job.precision.device)
             if len(devices) > 1:
-                work = Work(settings.model, job.spec, settings.task, cfg, job.precision, seed, scaler_state)
+                work = Work(
+                    settings.model, job.spec, settings.task, cfg, job.precision, seed, scaler_state, mu, correction
+                )
                 stats = train_on_devices(job.model, train_data, work, devices)
             else:
-                stats = train(job.model, train_data, cfg, job.precision, seed, scaler_state, job.task)
+                stats = train(
+                    job.model,
+                    train_data,
+                    cfg,
+                    job.precision,
+                    seed,
+                    scaler_state,
+                    job.task,
+                    proximal_mu=mu,
+                    correction=correction,
+                )
             dp_metrics = {}
             save_scaler_state(context.state, stats.scaler_state)
     metrics: dict[str, float | int | list[float] | list[int]] = {
@@ -443,6 +504,16 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
         metrics[PARTITION_ID] = partition
     trained = job.model.state_dict()
     state = {k: trained[k].detach().cpu().contiguous() for k in job.sent_keys}  # frozen tensors stay here
+    if scaffold is not None:
+        # SGD with momentum b moves about lr / (1 - b) per unit gradient: the variate's step size
+        state |= scaffold_finish(scaffold, job, trained, stats.steps, cfg.lr / (1 - cfg.momentum), context)
+    if (lam := float(job.record.get(DITTO_LAMBDA, 0.0))) > 0:  # Ditto: this node's personal model too
+        saved = ditto_file(context)
+        personal = personal_state(context.state, saved, job.received)
+        personal, _ = train_personal(
+            job.model, personal, job.received, train_data, cfg, job.precision, seed, job.task, lam
+        )
+        keep_personal(context.state, saved, personal)
     if malicious and attack.name in MODEL_POISONING:
         state = {k: v.contiguous() for k, v in poison(state, global_state, attack, seed).items()}
     return job, state, metrics, seed
@@ -451,9 +522,16 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
 @app.train()
 @released
 def train_handler(msg: Message, context: Context) -> Message:
-    job, state, metrics, seed = trained(msg, context)
-    arrays = reply_arrays(job, state, context, seed, metrics)
-    remember_reply(arrays, job.record, context)
+    if REGION_SUPERLINK in context.node_config:  # a regional aggregator: its region's sub-run trains
+        from app.regions.aggregator import region_update  # imported here: most nodes are sites
+
+        record = dict(msg.content[CONFIG])
+        keep_receipt(record, context)
+        arrays, metrics = region_update(msg, context)
+    else:
+        job, state, metrics, seed = trained(msg, context)
+        record, arrays = job.record, reply_arrays(job, state, context, seed, metrics)
+    remember_reply(arrays, record, context)
     content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics), **about_node(context)})
     return Message(content=content, reply_to=msg)
 
@@ -515,6 +593,10 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)
     loss, values = evaluate(job.model, job.val_data, job.precision, job.task)
     metrics = {NUM_EXAMPLES: len(job.val_data), EVAL_LOSS: loss, **{EVAL_PREFIX + k: v for k, v in values.items()}}
+    if float(job.record.get(DITTO_LAMBDA, 0.0)) > 0:  # Ditto: the personal model on the same split
+        twin = personal_model(job.model, personal_state(context.state, ditto_file(context), job.received))
+        loss, values = evaluate(twin, job.val_data, job.precision, job.task)
+        metrics |= {EVAL_PREFIX + PERSONAL + k: v for k, v in {"loss": loss, **values}.items()}
     if (partition := partition_of(context)) is not None:
         metrics[PARTITION_ID] = partition  # the server caps num-examples at its partition's validation size
     return Message(content=RecordDict({METRICS: MetricRecord(metrics), **about_node(context)}), reply_to=msg)

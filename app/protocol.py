@@ -34,6 +34,8 @@ from strategies.keys import (  # noqa: F401 - re-exported: the ClientApp imports
     NODE,
     NUM_EXAMPLES,
     PARTITION_ID,
+    SCAFFOLD_C,
+    SCAFFOLD_DELTA,
     SERVER_ROUND,
     TASK,
 )
@@ -43,7 +45,7 @@ from strategies.keys import (  # noqa: F401 - re-exported: the ClientApp imports
 # node_config of a SuperNode: a simulated partition (PARTITION_ID of NUM_PARTITIONS), or a deployed node's own data
 NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"
-STATE_DIR = "state-dir"  # node_config: where a node keeps what must outlive a restart (error feedback's residual)
+STATE_DIR = "state-dir"  # node_config: where a node keeps what must outlive a restart (error feedback's residual, SCAFFOLD's c_i)
 # a training task's ConfigRecord with compression.downlink (app/compression/downlink.py); absent: the model as it is
 # model=hf: the server's digest of the frozen base, which every node builds itself and checks (app/task/hf.py)
 BASE_DIGEST = "model.base-digest"
@@ -75,6 +77,18 @@ SECAGG_MAX_WEIGHT = "max-weight"  # a node's weight is min(examples, this) / thi
 SECAGG_CLIP_NORM = "clip-norm"  # distributed DP: the L2 bound of the update (0: none)
 SECAGG_NOISE = "noise-variance"  # distributed DP: this node's Skellam variance, in ring units squared (0: none)
 SECAGG_COUNT_NOISE = "count-noise-variance"  # distributed adaptive DP: the same for the unclipped count
+
+# topology=regions on a deployment (app/regions/aggregator.py, docs/deployment.md#regions-two-level-deployment):
+# the global run's nodes are regional aggregators. A training task's ConfigRecord carries the Hydra
+# overrides of the region's one-round sub-run, composed by the global server (app/regions/deployed.py);
+# the aggregator SuperNode's node config names its regional SuperLink. An aggregator is a node whose
+# node config has REGION_SUPERLINK.
+REGION_RUN_OVERRIDES = "region-run-overrides"
+REGION_SUPERLINK = "region-superlink"  # node config: the regional SuperLink's connection in REGION_FLWR_HOME
+REGION_FLWR_HOME = "region-flwr-home"  # node config: the FLWR_HOME whose config.toml names it (its own CA)
+REGION_OUTPUT_DIR = "region-output-dir"  # node config: the sub-runs' output-dir, shared with the regional executor
+REGION_OVERRIDES = "region-overrides"  # node config: the region's own overrides, after the global run's
+REGION_TIMEOUT_S = "region-timeout-s"  # node config: the longest a sub-run may take (also bounded by the task's TTL)
 
 # --- Reply metrics: the keys of a reply's MetricRecord (METRICS) ---------------------------------
 # Every key a ClientApp reply may carry. The server averages them into a row's `train` and
@@ -114,6 +128,10 @@ HISTORY_METRICS = ("dp-history-sigma", "dp-history-q", "dp-history-steps")  # th
 # federated evaluation (app/client_app.py: evaluate_handler)
 EVAL_PREFIX = "eval-"  # eval-<metric name> for each of task.metrics
 EVAL_LOSS = EVAL_PREFIX + "loss"
+# a regional aggregator's reply (app/regions/aggregator.py), from its sub-run's row; NUM_EXAMPLES is
+# the region's summed (capped) weight
+REGION_SAMPLED = "region-sampled"  # the sites the sub-run asked
+REGION_NODES = "region-nodes"  # the sites whose updates are in the region's aggregate
 
 REPLY_METRICS = frozenset(
     {
@@ -137,6 +155,8 @@ REPLY_METRICS = frozenset(
         DP_STEPS,
         *HISTORY_METRICS,
         EVAL_LOSS,
+        REGION_SAMPLED,
+        REGION_NODES,
     }
 )
 REPLY_METRIC_PREFIXES = (EVAL_PREFIX,)  # families named after the task's metrics
@@ -217,4 +237,8 @@ def to_client_record(cfg: Config | ClientSettings) -> dict[str, Any]:
 
 PRIOR_KEY = "dp-prior-history"  # message config: JSON {history key: [[σ, q, steps], ...]} (HistoryBook.prior)
 ROUNDS_KEY = "federation.rounds"  # message config: the rounds the server plans (needed by privacy.target_epsilon)
+DITTO_LAMBDA = (
+    "ditto-lambda"  # message config (train and evaluate): Ditto's lambda (strategy=ditto); absent: no personal model
+)
+PROXIMAL_MU = "proximal-mu"  # message config: FedProx's mu (strategy.proximal_mu), Flower's FedProx key; absent: 0
 # the reply's metrics of local DP: see "Reply metrics" above (DP_* and HISTORY_METRICS)

@@ -44,7 +44,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's `app`, ahead of any installed copy
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -54,17 +53,12 @@ from app.task.data import DataSpec  # noqa: E402
 from app.task.models import build_model  # noqa: E402
 from app.tools.processes import processes_under  # noqa: E402
 from app.tools.sweep import HOME_ROOT_ENV, run_in_simulation  # noqa: E402
+from bench.flwr_runs import random_images_npz  # noqa: E402
 
 TRAIN, TEST, COHORT = 32_000, 2_000, 10
 PLAIN_MAX = 4_000  # examples the plain loop trains on (each of its 3 tries)
 PACKED_NODES = 8  # packing: the federation whose clients share a device
 SPEC = DataSpec((1, 28, 28), 10)
-
-
-def write_data(path: Path, train: int) -> None:
-    rng = np.random.default_rng(0)
-    images = lambda n: rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)  # noqa: E731
-    np.savez(path, x=images(train), y=rng.integers(0, 10, train), x_test=images(TEST), y_test=rng.integers(0, 10, TEST))
 
 
 def pss_bytes(pids: set[int]) -> int:
@@ -288,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         data = root / "images28.npz"
-        write_data(data, args.train_images)
+        random_images_npz(data, args.train_images, TEST)
         print(
             f"{args.experiment}: {args.train_images} training images 28x28, {args.rounds} rounds, "
             f"plain loop with {torch.get_num_threads()} torch threads",

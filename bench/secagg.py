@@ -8,7 +8,6 @@ Variants, each a whole federation through `flwr run` in simulation:
   which only counts the messages it pushes and pulls, by round);
 - `secagg`: our app with `secagg=plus secagg.degree=D secagg.threshold=T` (and the ranges of
   conf/secagg/plus.yaml, passed explicitly so both secure variants use the same numbers);
-  skipped, with the reason printed, while conf/secagg/plus.yaml or `app.secagg` is missing;
 - `flower`: a copy of this app whose components are `bench.secagg_legacy_app:legacy_server` /
   `:legacy_client`: Flower's `DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))` with
   num_shares = D + 1 (a node and its D neighbours), reconstruction_threshold = T and the same
@@ -19,8 +18,8 @@ Variants, each a whole federation through `flwr run` in simulation:
   (examples / max_weight) x parameter on one grid of step 2 x clipping_range / quantization_range,
   so a max weight 1000x the real weights would cost it three decimal digits of every parameter.
 
-D defaults to 6 and T to ceil(2(D+1)/3) + 1 (6), our `secagg.threshold=0` rule; both variants get
-them explicitly.
+D defaults to 6 and T to floor(2(D+1)/3) + 1 (5), our `secagg.threshold=0` rule
+(`app.secagg.server.default_threshold`); both variants get them explicitly.
 
 Workloads: `digits` (the default task, digits CNN, 5 local epochs) at cohorts 10 and 50, and
 `mlp11m`, a ResNet-18-sized update (11.17 M parameters, `resnet18_sized_mlp`) trained for one
@@ -28,7 +27,7 @@ epoch on 16 random 28x28 images a node, so that masking and crypto dominate, at 
 node trains every round (`federation.min_train_nodes=N`, fraction 1.0).
 
     python bench/secagg.py                                   # everything above, 3 rounds each
-    python bench/secagg.py --rounds 4 --repeats 2 --json docs/secagg-benchmark.json   # the committed result
+    python bench/secagg.py --rounds 4 --repeats 2 --threshold 6 --json docs/secagg-benchmark.json  # the committed result
     python bench/secagg.py --workloads digits --cohorts 10 --rounds 2 --variants fedavg flower  # quick
 
 Reported per workload, cohort and variant (with --repeats, the median over the interleaved
@@ -69,7 +68,9 @@ sys.path.insert(0, str(ROOT))  # this checkout's `app`, ahead of any installed c
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
+from app.secagg.server import default_threshold  # noqa: E402
 from app.tools.sweep import HOME_ROOT_ENV, run_in_simulation  # noqa: E402
+from bench.flwr_runs import app_copy, random_images_npz  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 from bench.secagg_legacy_app import WIRE_FILE  # noqa: E402
 
@@ -92,33 +93,17 @@ GOAL_ACCURACY_POINTS = 0.5
 # ----------------------------------------------------------------------------- set-up
 
 
-def secagg_missing() -> str | None:
-    """Why our SecAgg+ cannot run yet (None when it can): its config group or its package."""
-    if not PLUS_YAML.is_file():
-        return f"{PLUS_YAML.relative_to(ROOT)} does not exist yet"
-    check = "import app.secagg; from app.config.compose import load_config; load_config('secagg=plus')"
-    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return "`import app.secagg` / composing secagg=plus fails: " + proc.stderr.strip()[-600:]
-    return None
-
-
 def secagg_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The SecAgg+ numbers both secure variants use: degree and threshold from the command line,
     the ranges from the command line, else conf/secagg/plus.yaml, else Flower's defaults."""
-    plus = yaml.safe_load(PLUS_YAML.read_text()) if PLUS_YAML.is_file() else {}
-    threshold = args.threshold if args.threshold is not None else default_threshold(args.degree)
+    plus = yaml.safe_load(PLUS_YAML.read_text())
+    threshold = args.threshold if args.threshold is not None else default_threshold(args.degree + 1)
     out: dict[str, Any] = {"degree": args.degree, "threshold": threshold}
     for key, default in FLOWER_DEFAULTS.items():
         given = getattr(args, key)
         out[key] = given if given is not None else plus.get(key, default)
     out["in_plus_yaml"] = sorted(k for k in FLOWER_DEFAULTS if k in plus)
     return out
-
-
-def default_threshold(degree: int) -> int:
-    """Our `secagg.threshold=0` rule (conf/secagg/plus.yaml): ceil(2(k+1)/3) + 1 of k + 1 shares."""
-    return -(-2 * (degree + 1) // 3) + 1
 
 
 def secagg_overrides(s: dict[str, Any]) -> list[str]:
@@ -131,39 +116,10 @@ def secagg_overrides(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def app_copy(root: Path, name: str, server: str, client: str, config: dict[str, Any]) -> Path:
-    """A copy of this app (as `flwr run` packs it) whose components are `server` and `client` and
-    whose run config has the defaults `config` besides its own."""
-    out = root / name
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "app", "strategies", "conf", "bench"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for file in [*files, "pyproject.toml", "README.md"]:
-        if (ROOT / file).is_file():
-            (out / file).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / file, out / file)
-    toml = out / "pyproject.toml"
-    text = toml.read_text()
-    for ours, theirs in (("app.server_app:app", server), ("app.client_app:app", client)):
-        if f'"{ours}"' not in text:
-            raise RuntimeError(f"pyproject.toml no longer names {ours!r}: update bench/secagg.py")
-        text = text.replace(f'"{ours}"', f'"{theirs}"')
-    anchor = "[tool.flwr.app.config]\n"
-    if anchor not in text:
-        raise RuntimeError("pyproject.toml has no [tool.flwr.app.config]")
-    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items())
-    toml.write_text(text.replace(anchor, anchor + lines, 1))
-    return out
-
-
 def counted_app_dir(root: Path) -> Path:
     """Our app with our ServerApp run through `bench.secagg_legacy_app:counted_server`: the same
     ServerApp, every message it pushes and pulls counted by round."""
-    return app_copy(root, "counted-app", "bench.secagg_legacy_app:counted_server", "app.client_app:app", {})
+    return app_copy(root, "counted-app", server="bench.secagg_legacy_app:counted_server")
 
 
 def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
@@ -181,14 +137,6 @@ def flower_app_dir(root: Path, s: dict[str, Any], timeout_s: float) -> Path:
     return app_copy(
         root, "flower-app", "bench.secagg_legacy_app:legacy_server", "bench.secagg_legacy_app:legacy_client", extra
     )
-
-
-def write_mlp_data(path: Path, nodes: int) -> None:
-    """`mlp11m`'s tiny data: MLP_PER_NODE random 28x28 images a node, 64 test images."""
-    rng = np.random.default_rng(0)
-    n = nodes * MLP_PER_NODE
-    images = lambda k: rng.integers(0, 256, (k, 28, 28), dtype=np.uint8)  # noqa: E731
-    np.savez(path, x=images(n), y=rng.integers(0, 10, n), x_test=images(64), y_test=rng.integers(0, 10, 64))
 
 
 def workload_overrides(workload: str, data: Path) -> list[str]:
@@ -448,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threshold",
         type=int,
         default=None,
-        help="T: shares (of D + 1) that rebuild a node's secrets; default ceil(2(D+1)/3) + 1, our automatic rule",
+        help="T: shares (of D + 1) that rebuild a node's secrets; default floor(2(D+1)/3) + 1, our automatic rule",
     )
     parser.add_argument("--clipping-range", dest="clipping_range", type=float, default=None)
     parser.add_argument("--quantization-range", dest="quantization_range", type=int, default=None)
@@ -463,10 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     variants = list(args.variants)
-    skipped = None
-    if "secagg" in variants and (skipped := secagg_missing()) is not None:
-        print(f"skipping variant secagg: {skipped}", flush=True)
-        variants.remove("secagg")
     s = secagg_settings(args)
     if "flower" in variants and not 2 <= s["threshold"] < s["degree"] + 1:
         parser.error(
@@ -483,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     try:
         data = root / "mlp-data.npz"
-        write_mlp_data(data, max([n for w, n in plan if w == "mlp11m"], default=1))
+        random_images_npz(data, MLP_PER_NODE * max([n for w, n in plan if w == "mlp11m"], default=1), 64)
         counted = counted_app_dir(root)
         dirs = {"fedavg": counted, "secagg": counted}
         if "flower" in variants:
@@ -521,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
                 "timed_rounds": "all" if args.include_first_round else "2..R (round 1 pays the ClientApps' start-up)",
                 "client_cpus": args.client_cpus,
                 "secagg": s,
-                "secagg_skipped": skipped,
                 "mlp11m_parameters": MLP_PARAMS,
                 "repeats": args.repeats,
                 "results": results,

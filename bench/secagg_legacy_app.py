@@ -41,7 +41,6 @@ client side at the top, the server's modules inside `legacy_main`.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterable
 from types import SimpleNamespace
@@ -54,6 +53,8 @@ from flwr.client import ClientApp, NumPyClient
 from flwr.client.mod import secaggplus_mod
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
+
+from bench.flwr_runs import two_layer_mlp
 
 KEYS = "bench.array-keys"  # fit config: JSON list of the model's tensor names, in the order of the parameters
 LISTS = "bench.json-keys"  # fit config: JSON list of the keys whose list values travel as JSON text
@@ -74,15 +75,8 @@ def resnet18_sized_mlp(
     input_shape: tuple[int, ...], num_classes: int, hidden: int = 4096, hidden2: int = 1938
 ) -> nn.Module:
     """in -> 4096 -> 1938 -> classes: 11.17 M parameters on 28x28 inputs (ResNet-18 for CIFAR-10:
-    11.17 M), one matrix product a layer, so a node trains it in milliseconds on a few images."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(math.prod(input_shape), hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden2),
-        nn.ReLU(),
-        nn.Linear(hidden2, num_classes),
-    )
+    11.17 M)."""
+    return two_layer_mlp(input_shape, num_classes, hidden, hidden2)
 
 
 # ----------------------------------------------------------------------------- bytes

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from app.tools.processes import processes_under  # noqa: E402
 from app.tools.sweep import HOME_ROOT_ENV, run_in_simulation  # noqa: E402
+from bench.flwr_runs import app_copy, random_images_npz  # noqa: E402
 
 MODEL = "model=custom model._target_=bench.server_memory_app.wide_mlp"
 PARAMS = 784 * 8192 + 8192 + 8192 * 5376 + 5376 + 5376 * 10 + 10
@@ -41,13 +41,6 @@ MODEL_BYTES = 4 * PARAMS
 PER_NODE = 8  # training images a node holds
 KINDS = {"flwr-simulation": "serverapp", "flower-superlink": "superlink"}
 VARIANTS = ("stream", "gather", "flower")
-
-
-def write_data(path: Path, nodes: int) -> None:
-    rng = np.random.default_rng(0)
-    n = nodes * PER_NODE * 2  # partitions also set aside validation examples
-    images = lambda k: rng.integers(0, 256, (k, 28, 28), dtype=np.uint8)  # noqa: E731
-    np.savez(path, x=images(n), y=rng.integers(0, 10, n), x_test=images(16), y_test=rng.integers(0, 10, 16))
 
 
 def hwm_bytes(pid: int) -> int | None:
@@ -83,21 +76,7 @@ class PeakSampler(threading.Thread):
 
 def flower_app_dir(root: Path) -> Path:
     """A copy of this app whose ServerApp is Flower's FedAvg (`bench.server_memory_app:flower_app`)."""
-    out = root / "flower-app"
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "app", "strategies", "conf", "bench"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for name in [*files, "pyproject.toml", "README.md"]:
-        if (ROOT / name).is_file():
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, out / name)
-    toml = out / "pyproject.toml"
-    toml.write_text(toml.read_text().replace('"app.server_app:app"', '"bench.server_memory_app:flower_app"'))
-    return out
+    return app_copy(root, "flower-app", server="bench.server_memory_app:flower_app")
 
 
 def run(variant: str, cohort: int, data: Path, root: Path, flower_dir: Path) -> dict[str, Any]:
@@ -150,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="fedgpu-server-memory-"))
     try:
         data = root / "data.npz"
-        write_data(data, max(args.cohorts))
+        random_images_npz(data, max(args.cohorts) * PER_NODE * 2, 16)  # partitions also set aside validation
         flower_dir = flower_app_dir(root)
         rows = []
         for cohort in args.cohorts:

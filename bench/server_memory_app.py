@@ -8,24 +8,17 @@ Imported by every ClientApp (for the model): only torch at the top.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
+from bench.flwr_runs import two_layer_mlp
+
 
 def wide_mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 8192, hidden2: int = 5376) -> nn.Module:
     """784 -> 8192 -> 5376 -> classes: 50.5 M parameters (202 MB in float32) at the defaults."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(math.prod(input_shape), hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden2),
-        nn.ReLU(),
-        nn.Linear(hidden2, num_classes),
-    )
+    return two_layer_mlp(input_shape, num_classes, hidden, hidden2)
 
 
 flower_app = ServerApp()

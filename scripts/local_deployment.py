@@ -25,6 +25,11 @@ and the logs for the next `up`; `--purge` deletes it.
 The state directory must lie outside any git work tree (or be ignored by git): it holds
 private keys. Run results land where the run's `output-dir` says (default ~/fedgpu-runs).
 `--insecure` drops TLS and node authentication (a first look only; never expose it).
+
+`up --regions R --nodes-per-region N` brings up a two-level deployment (topology=regions,
+docs/deployment.md#regions-two-level-deployment; `TwoLevel`): R regional stacks under
+`region-<r>/`, each with its own credentials and N site SuperNodes, and the global stack whose
+R SuperNodes are the regions' aggregators; `status` and `down` cover every stack.
 """
 
 from __future__ import annotations
@@ -201,8 +206,10 @@ class Deployment:
     """A SuperLink, its SuperExec and `num_nodes` SuperNodes on 127.0.0.1, state under `root`.
 
     `data_paths`: one data file per node (`data-path=` node config); None gives each node a
-    demo partition (`partition-id`/`num-partitions`) instead. `edge`: SuperNodes connect
-    through nginx with docker/server/fleet-edge.conf.template, as in the server compose file.
+    demo partition (`partition-id`/`num-partitions`) instead. `node_configs`: each node's whole
+    `--node-config` instead (a two-level deployment's aggregators and sites: `TwoLevel`).
+    `edge`: SuperNodes connect through nginx with docker/server/fleet-edge.conf.template, as in
+    the server compose file. `regions`: the regional deployments under `region-<r>/` (`TwoLevel`).
     """
 
     def __init__(
@@ -213,14 +220,20 @@ class Deployment:
         data_paths: Sequence[Path] | None = None,
         edge: bool = False,
         port: int | None = None,
+        node_configs: Sequence[str] | None = None,
+        regions: int = 0,
     ) -> None:
         if edge and not secure:
             raise DeploymentError("the edge terminates TLS with the SuperLink's certificate: drop --insecure")
         if data_paths is not None and len(data_paths) != num_nodes:
             raise DeploymentError(f"{len(data_paths)} data files for {num_nodes} nodes: give one per node")
+        if node_configs is not None and len(node_configs) != num_nodes:
+            raise DeploymentError(f"{len(node_configs)} node configs for {num_nodes} nodes: give one per node")
         self.root = Path(root).expanduser().resolve()
         self.num_nodes, self.secure, self.edge = num_nodes, secure, edge
         self.data_paths = [Path(p).resolve() for p in data_paths] if data_paths is not None else None
+        self.node_configs = list(node_configs) if node_configs is not None else None
+        self.regions = regions
         self.port = port or free_ports(1)[0]
         self.node_ports = free_ports(num_nodes)
         self.fleet_port = free_ports(1)[0] if edge else self.port
@@ -245,6 +258,7 @@ class Deployment:
             "node_ports": self.node_ports, "fleet_port": self.fleet_port, "node_ids": self.node_ids,
             "pids": self.pids, "processes": {name: asdict(rec) for name, rec in self.procs.items()},
             "data_paths": [str(p) for p in self.data_paths] if self.data_paths else None,
+            "node_configs": self.node_configs, "regions": self.regions,
         }  # fmt: skip
         (self.root / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -257,7 +271,10 @@ class Deployment:
         except FileNotFoundError:
             raise DeploymentError(f"no {STATE_FILE} in {root}: nothing was brought up there") from None
         data = state["data_paths"]
-        fed = cls(root, state["num_nodes"], state["secure"], data and [Path(p) for p in data], state["edge"])
+        fed = cls(
+            root, state["num_nodes"], state["secure"], data and [Path(p) for p in data], state["edge"],
+            node_configs=state.get("node_configs"), regions=state.get("regions", 0),
+        )  # fmt: skip
         fed.port, fed.node_ports, fed.fleet_port = state["port"], state["node_ports"], state["fleet_port"]
         fed.node_ids, fed.pids = state["node_ids"], state["pids"]
         fed.procs = {name: Spawned(**rec) for name, rec in state.get("processes", {}).items()}
@@ -417,7 +434,10 @@ class Deployment:
 
     def node_config(self, i: int) -> str:
         """Node `i`'s name (node-i, as its key and home: the server's logs show it beside the node
-        id) and data: its file (a TOML string: quoted, absolute), else a demo partition."""
+        id) and data: its file (a TOML string: quoted, absolute), else a demo partition; or the
+        node config given for it (`node_configs`)."""
+        if self.node_configs:
+            return self.node_configs[i]
         name = f'name="node-{i}"'
         if self.data_paths:
             return f'{name} data-path="{self.data_paths[i]}"'
@@ -548,8 +568,9 @@ class Deployment:
         self.save()
         return unchecked
 
-    def status(self) -> str:
-        """A few lines for a person: processes, nodes online, how to submit a run."""
+    def status(self, submit: str | None = "name=exp1 resume=auto") -> str:
+        """A few lines for a person: processes, nodes online, and how to submit a run with the
+        overrides `submit` (None: no such line)."""
         lines = [
             f"state directory {self.root}; SuperLink at {self.address}" + (" (insecure)" if not self.secure else "")
         ]
@@ -560,15 +581,106 @@ class Deployment:
         else:
             online = self.online_nodes()
             lines.append(f"  nodes online: {sum(n in online for n in self.node_ids)} of {self.num_nodes}")
-        lines.append(
-            f"submit a run:  FLWR_HOME={self.root / 'cli'} flwr run {REPO} {CONNECTION} --stream "
-            "--run-config \"overrides='name=exp1 resume=auto'\""
-        )
+        if submit is not None:
+            lines.append(
+                f"submit a run:  FLWR_HOME={self.root / 'cli'} flwr run {REPO} {CONNECTION} --stream "
+                f"--run-config \"overrides='{submit}'\""
+            )
         return "\n".join(lines)
 
     def close(self) -> None:
         """`down` without the grace period (tests)."""
         self.down(grace_s=0.0)
+
+
+# ---------------------------------------------------------------------------- two levels
+
+
+def region_dir(root: Path, r: int) -> Path:
+    return root / f"region-{r}"
+
+
+class TwoLevel:
+    """A two-level deployment (topology=regions, docs/deployment.md#regions-two-level-deployment):
+    `regions` regional stacks, each a `Deployment` under `<root>/region-<r>` (its SuperLink,
+    SuperExec and site SuperNodes, with credentials of its own: CA, certificate, SuperExec secret,
+    node keys), and the global one under `root`, whose SuperNodes are the regional aggregators
+    (authenticated with the global level's keys). An aggregator reaches its regional SuperLink
+    through the region's `cli/` FLWR_HOME (the region's CA) and writes its sub-runs' results
+    under `<root>/region-<r>/runs`, where the regional SuperExec writes them too (one host)."""
+
+    def __init__(self, top: Deployment, regions: list[Deployment]) -> None:
+        self.top, self.regions = top, regions
+
+    @staticmethod
+    def aggregator_config(root: Path, r: int, region_overrides: str) -> str:
+        """Aggregator r's node config: its name, its regional SuperLink (the connection, the
+        FLWR_HOME that names it), where its sub-runs write, and the region's own overrides."""
+        if '"' in region_overrides:
+            raise DeploymentError("--region-overrides travels as a TOML string in the node config: no double quotes")
+        home = region_dir(root, r)
+        return (
+            f'name="region-{r}" region-superlink="{CONNECTION}" region-flwr-home="{home / "cli"}" '
+            f'region-output-dir="{home / "runs"}" region-overrides="{region_overrides}"'
+        )
+
+    @classmethod
+    def create(
+        cls,
+        root: Path,
+        regions: int,
+        nodes_per_region: int,
+        secure: bool,
+        data_paths: Sequence[Path],
+        port: int | None,
+        region_overrides: str = "",
+    ) -> TwoLevel:
+        """The stacks of a fresh two-level deployment (nothing started): region r's sites train on
+        data files r*n .. r*n+n-1."""
+        if len(data_paths) != regions * nodes_per_region:
+            raise DeploymentError(f"{len(data_paths)} data files for {regions} x {nodes_per_region} sites")
+        stacks = []
+        for r in range(regions):
+            files = data_paths[r * nodes_per_region : (r + 1) * nodes_per_region]
+            sites = [f'name="region-{r}-site-{i}" data-path="{Path(f).resolve()}"' for i, f in enumerate(files)]
+            stacks.append(Deployment(region_dir(root, r), nodes_per_region, secure, files, node_configs=sites))
+        aggregators = [cls.aggregator_config(root, r, region_overrides) for r in range(regions)]
+        top = Deployment(root, regions, secure, port=port, node_configs=aggregators, regions=regions)
+        return cls(top, stacks)
+
+    @classmethod
+    def load(cls, top: Deployment) -> TwoLevel:
+        """The two-level deployment whose global stack `top` was loaded from `deployment.json`."""
+        return cls(top, [Deployment.load(region_dir(top.root, r)) for r in range(top.regions)])
+
+    def up(self) -> list[str]:
+        """The regions first (an aggregator's task needs its SuperLink), then the global stack. The
+        global deployment.json, which names the regions, is written first: a `down` after an `up`
+        that failed half-way finds every stack."""
+        self.top.save()
+        started = []
+        for r, region in enumerate(self.regions):
+            started += [f"region-{r}/{name}" for name in region.up()]
+        return started + self.top.up()
+
+    def down(self, grace_s: float = 10.0) -> list[str]:
+        """The global stack first (its aggregators drive the regions' runs), then each region."""
+        warnings = self.top.down(grace_s)
+        for region in self.regions:
+            warnings += region.down(grace_s)
+        return warnings
+
+    def status(self) -> str:
+        lines = [self.top.status(submit=f"topology=regions topology.regions={self.top.regions} name=exp1 resume=auto")]
+        for r, region in enumerate(self.regions):
+            lines.append(f"region {r}: " + region.status(submit=None))
+        return "\n".join(lines)
+
+
+def load(root: Path) -> Deployment | TwoLevel:
+    """The deployment `up` recorded under `root`: one level, or two (`regions` in deployment.json)."""
+    fed = Deployment.load(root)
+    return TwoLevel.load(fed) if fed.regions else fed
 
 
 def _check_state_dir(path: Path, allow_in_repo: bool) -> None:
@@ -590,23 +702,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overrides", default="", help="Hydra overrides for the exported demo data (up)")
     parser.add_argument("--insecure", action="store_true", help="no TLS, no node authentication (up; a first look)")
     parser.add_argument("--edge", action="store_true", help="nodes connect through the nginx Fleet edge (up)")
+    parser.add_argument(
+        "--regions", type=int, help="a two-level deployment of this many regions (up; topology=regions)"
+    )
+    parser.add_argument("--nodes-per-region", type=int, help="site SuperNodes per region (up; with --regions)")
+    parser.add_argument(
+        "--region-overrides", default="", help="Hydra overrides of every region's sub-runs, after the global run's (up)"
+    )
     parser.add_argument("--purge", action="store_true", help="delete the state directory after stopping (down)")
     parser.add_argument("--allow-in-repo", action="store_true", help="allow a state directory git does not ignore")
     args = parser.parse_args(argv)
+    if (args.regions is None) != (args.nodes_per_region is None):
+        parser.error("--regions and --nodes-per-region go together (e.g. --regions 2 --nodes-per-region 2)")
+    if args.regions is not None:
+        if args.regions < 1 or args.nodes_per_region < 1:
+            parser.error("--regions and --nodes-per-region must be at least 1")
+        if args.nodes is not None or args.edge:
+            parser.error("--nodes and --edge are for a one-level deployment; a two-level one takes --nodes-per-region")
+        if args.data and len(args.data) != args.regions * args.nodes_per_region:
+            parser.error(f"--data needs {args.regions * args.nodes_per_region} files: region r gets the r-th slice")
+    elif args.region_overrides:
+        parser.error("--region-overrides needs --regions")
     root = args.state_dir.expanduser().resolve()
     os.environ["MPLCONFIGDIR"] = str(root / "matplotlib")  # Flower Datasets imports matplotlib: not in ~/.cache
     try:
         if args.command == "up":
             _check_state_dir(root, args.allow_in_repo)
             if (root / STATE_FILE).exists():
-                fed = Deployment.load(root)
-                if args.nodes not in (None, fed.num_nodes):
+                fed = load(root)
+                if isinstance(fed, TwoLevel):
+                    held, same = (
+                        f"{fed.top.regions} regions",
+                        args.nodes is None and args.regions in (None, fed.top.regions),
+                    )
+                else:
+                    held, same = f"{fed.num_nodes} nodes", args.regions is None and args.nodes in (None, fed.num_nodes)
+                if not same:
                     raise DeploymentError(
-                        f"{root} holds a deployment of {fed.num_nodes} nodes: bring that one up (no --nodes), "
+                        f"{root} holds a deployment of {held}: bring that one up (no --nodes / --regions), "
                         "or `down --purge` it first, or use another --state-dir"
                     )
             else:
-                nodes = len(args.data) if args.data else args.nodes or 2
+                regional = args.regions is not None
+                nodes = len(args.data) if args.data else (args.regions * args.nodes_per_region if regional else 0)
+                nodes = nodes or args.nodes or 2
                 if nodes < 1 or (args.data and args.nodes not in (None, nodes)):
                     parser.error("--nodes must be at least 1 and match the number of --data files")
                 if args.edge and shutil.which("nginx") is None:
@@ -618,11 +757,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 missing = [str(p) for p in data if not Path(p).is_file()]
                 if missing:
                     raise DeploymentError(f"data file(s) not found: {', '.join(missing)}")
-                fed = Deployment(root, len(data), not args.insecure, data, args.edge, args.port)
+                if regional:
+                    fed = TwoLevel.create(
+                        root, args.regions, args.nodes_per_region, not args.insecure, data, args.port,
+                        args.region_overrides,
+                    )  # fmt: skip
+                else:
+                    fed = Deployment(root, len(data), not args.insecure, data, args.edge, args.port)
             started = fed.up()
             print(f"started: {', '.join(started) or 'nothing (all running)'}", flush=True)
         elif args.command == "down":
-            fed = Deployment.load(root)
+            fed = load(root)
             for warning in fed.down():
                 print(f"warning: {warning}", file=sys.stderr)
             print(f"stopped everything under {root}")
@@ -631,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"deleted {root}")
             return 0
         else:
-            fed = Deployment.load(root)
+            fed = load(root)
         print(fed.status())
     except (DeploymentError, RuntimeError) as err:  # RegistrationError too
         print(f"error: {err}", file=sys.stderr)

@@ -26,12 +26,13 @@ from opacus.accountants import RDPAccountant
 
 from strategies.budget import PrivacyBudgetExhausted
 from strategies.fedavg import FedAvg
-from strategies.fedbuff import BufferStep, FedBuff
+from strategies.fedbuff import FEDBUFF_SERVER_LR, BufferStep, FedBuff
 from strategies.node_names import labels
 from strategies.node_wait import wait_for_nodes
 from strategies.opacus_logging import remove_opacus_root_handler
 from strategies.replies import Rejection, Screened, ValidReply, reject, warn_rejected
 from strategies.robust_ops import apply_update, float_keys
+from strategies.server_opt import ServerOptimizer
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import StalenessFn
 from strategies.tensor_ops import TensorDict, non_finite_keys
@@ -313,8 +314,9 @@ class DPFedAvg(FedAvg):
         limits: ReplyLimits | None = None,
         wiring: TaskWiring | None = None,
         device: torch.device | str = "cpu",
+        server_opt: ServerOptimizer | None = None,
     ) -> None:
-        super().__init__(sampling=sampling, limits=limits, wiring=wiring, device=device)
+        super().__init__(sampling=sampling, limits=limits, wiring=wiring, device=device, server_opt=server_opt)
         if poisson and dp.sample_rate != self.sampling.fraction_train:
             raise ValueError(
                 f"Poisson sampling at {self.sampling.fraction_train} must be accounted with q = {self.sampling.fraction_train}"
@@ -449,7 +451,7 @@ class DPFedBuff(FedBuff):
         max_staleness: int = 10,
         staleness: StalenessFn,
         staleness_name: str = "polynomial",
-        server_lr: float = 0.5,
+        server_lr: float = FEDBUFF_SERVER_LR,
         server_momentum: float = 0.0,
         sampling: Sampling | None = None,
         limits: ReplyLimits | None = None,

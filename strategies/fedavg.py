@@ -18,7 +18,7 @@ import logging
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -40,6 +40,7 @@ from strategies.replies import (
     specs_of,
     weighted_metrics,
 )
+from strategies.server_opt import ServerOptimizer
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.streaming import MeanFold
 from strategies.tensor_ops import (
@@ -53,6 +54,9 @@ from strategies.tensor_ops import (
     tensors_to_record,
     weighted_mean,
 )
+
+if TYPE_CHECKING:
+    from strategies.regional import RegionalCombine
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -143,6 +147,10 @@ class FedAvg(Strategy):
         and how log lines name nodes.
     device : torch.device | str (default: "cpu")
         Where replies are aggregated.
+    regions : RegionalCombine | None (default: None)
+        topology=regions: each region's replies combined first, this strategy's rule over the
+        regions (`strategies/regional.py`); streamed with the mean inside regions (one running mean
+        each), gathered with a robust rule inside.
     """
 
     def __init__(
@@ -152,7 +160,13 @@ class FedAvg(Strategy):
         limits: ReplyLimits | None = None,
         wiring: TaskWiring | None = None,
         device: torch.device | str = "cpu",
+        regions: RegionalCombine | None = None,
+        server_opt: ServerOptimizer | None = None,
     ) -> None:
+        self.regions = regions
+        self.server_opt = server_opt
+        if regions is not None and regions.rule is not None:
+            self.streams = False  # a robust rule inside regions needs each region's replies together
         self.sampling = sampling or Sampling()
         self.limits = limits or ReplyLimits()
         self.wiring = wiring or TaskWiring()
@@ -377,7 +391,13 @@ class FedAvg(Strategy):
             names=self.wiring.names,
         )
         capped = _capped(screened)  # before aggregating: a reply it rejects still had its claim cut
-        return self._finish_train(server_round, screened, self.aggregate_models(server_round, screened), capped)
+        return self._finish_train(server_round, screened, self.combine(server_round, screened), capped)
+
+    def combine(self, server_round: int, screened: Screened) -> TensorDict | None:
+        """`aggregate_models` over the replies, or over their regions' models (topology=regions)."""
+        if self.regions is None:
+            return self.aggregate_models(server_round, screened)
+        return self.regions.combine(server_round, self._global, screened, self.aggregate_models, self.train_report)
 
     # A strategy that folds replies as they arrive (`aggregate_stream`); a robust rule must see them all.
     streams = True
@@ -423,7 +443,11 @@ class FedAvg(Strategy):
         return self._finish_train(server_round, screened, new, _capped(screened))
 
     def fold_models(self, server_round: int, valid: Iterable[ValidReply], screened: Screened) -> TensorDict | None:
-        """The new model from valid replies taken one at a time (`screened` fills as they come)."""
+        """The new model from valid replies taken one at a time (`screened` fills as they come); with
+        regions, one running mean per region, then this strategy's rule over them."""
+        if self.regions is not None:
+            report = self.train_report
+            return self.regions.fold(server_round, self._global, valid, screened, self.aggregate_models, report)
         fold = MeanFold(self._global, self.device)
         for reply in valid:
             fold.add(reply.arrays, reply.weight)
@@ -443,7 +467,14 @@ class FedAvg(Strategy):
                 log.warning("round %d: no valid training reply; keeping the previous global model", server_round)
             return None, None
         used = [r for r in screened.valid if r.node_id in report.accepted]
-        return tensors_to_record(new, consume=True), weighted_metrics(used)
+        return tensors_to_record(self.server_step(server_round, new), consume=True), weighted_metrics(used)
+
+    def server_step(self, server_round: int, aggregate: TensorDict) -> TensorDict:
+        """The new model: the round's aggregate, or the server optimizer's step towards it
+        (`strategy.server_optimizer`, strategies/server_opt.py)."""
+        if self.server_opt is None:
+            return aggregate
+        return self.server_opt.step(self._global, aggregate, server_round)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         screened = screen_replies(
@@ -459,9 +490,16 @@ class FedAvg(Strategy):
 
     # --- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Strategy state for checkpoints (FedAvg carries none across rounds)."""
-        return {"strategy": self.name}
+        """Strategy state for checkpoints: none of FedAvg's own across rounds; the regions' WAN
+        residuals (topology=regions)."""
+        regions = self.regions.state_dict() if self.regions is not None else {}
+        opt = {"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}
+        return {"strategy": self.name, **({"regions": regions} if regions else {}), **opt}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("strategy") != self.name:
             raise ValueError(f"checkpoint holds {state.get('strategy')} state, not {self.name}")
+        if self.regions is not None and "regions" in state:
+            self.regions.load_state_dict(state["regions"])
+        if self.server_opt is not None and "server_optimizer" in state:
+            self.server_opt.load_state_dict(state["server_optimizer"], self.device)

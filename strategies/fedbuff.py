@@ -60,6 +60,7 @@ from strategies.replies import (
 )
 from strategies.robust import RobustRule
 from strategies.robust_ops import apply_update, update_dtype, weighted_update_mean
+from strategies.server_opt import Moments, ServerOptimizer
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import StalenessFn
 from strategies.streaming import UpdateFold
@@ -133,6 +134,7 @@ def server_step(
     return apply_update(current, step), velocity
 
 
+FEDBUFF_SERVER_LR = 0.5  # η when strategy.server_lr is 0 (auto)
 AUTO_BUFFER = 0  # strategy.buffer_size=0: K from the nodes training at once (`auto_buffer_size`)
 AUTO_BUFFER_MAX = 10  # Nguyen et al.'s K, for federations of 20 nodes and more
 
@@ -177,6 +179,9 @@ class FedBuff(Strategy):
         η, the server's step size (> 0).
     server_momentum : float (default: 0.0)
         β, the server's momentum, in [0, 1); 0 is plain FedBuff.
+    server_opt : ServerOptimizer | None (default: None)
+        A server optimizer (strategies/server_opt.py) in place of the η, β step: the flush steps
+        from the current model along the buffer's update (`server_lr`, `server_momentum` unused).
     buffer_rule : RobustRule | None (default: None)
         A Byzantine-robust rule aggregating the buffer in place of the weighted mean;
         each update is taken against its own base version, and a node's newer update
@@ -205,7 +210,7 @@ class FedBuff(Strategy):
         max_staleness: int = 10,
         staleness: StalenessFn,
         staleness_name: str = "polynomial",
-        server_lr: float = 0.5,
+        server_lr: float = FEDBUFF_SERVER_LR,
         server_momentum: float = 0.0,
         buffer_rule: RobustRule | None = None,
         sampling: Sampling | None = None,
@@ -214,6 +219,7 @@ class FedBuff(Strategy):
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
         device: torch.device | str = "cpu",
+        server_opt: ServerOptimizer | None = None,
     ) -> None:
         if buffer_size < 0:
             raise ValueError(f"buffer_size={buffer_size} must be >= 1, or 0 (AUTO_BUFFER: from the nodes at the start)")
@@ -231,7 +237,8 @@ class FedBuff(Strategy):
         self.staleness = staleness
         self.staleness_name = staleness_name
         self.server_lr = server_lr
-        self.server_momentum = server_momentum
+        self.server_momentum = 0.0 if server_opt is not None else server_momentum
+        self.server_opt = server_opt
         self.buffer_rule = buffer_rule
         self.sampling = sampling or Sampling()
         self.limits = limits or ReplyLimits(message_ttl_s=600.0)
@@ -246,6 +253,7 @@ class FedBuff(Strategy):
         self.tasks_sent = 0
         self.discarded_total = 0
         self.velocity: TensorDict | None = None
+        self._proposed: Moments = ({}, {})  # the server optimizer's moments of the step being tried
         self.buffer: list[ValidReply] = []
         # The last version's buffer and the model it stepped from, for contribution scores.
         self.last_buffer: list[ValidReply] = []
@@ -558,6 +566,11 @@ class FedBuff(Strategy):
             return None, [], None
         velocity = self.velocity if any(k is MOMENTUM for k in kept) else None
         outcome = self._aggregate_buffer(current, buffer)
+        if self.server_opt is not None:  # its moments are kept once the step is (`flush`)
+            new, self._proposed = self.server_opt.propose(
+                current, apply_update(current, outcome.update), self.version + 1
+            )
+            return new, list(outcome.parts), (outcome, None)
         new, velocity_after = server_step(current, outcome.update, self.server_lr, self.server_momentum, velocity)
         parts = list(outcome.parts)
         if velocity is not None:
@@ -598,6 +611,8 @@ class FedBuff(Strategy):
             self.buffer = []
             return None
         outcome, self.velocity = last[0]
+        if self.server_opt is not None:
+            self.server_opt.commit(self._proposed)
         report.rejected += outcome.rejected
         report.robust = outcome.robust
         excluded = set(report.robust["excluded"]) if report.robust else set()
@@ -722,6 +737,7 @@ class FedBuff(Strategy):
             "discarded_total": self.discarded_total,
             "velocity": velocity,
             "buffer_size": self.buffer_size,
+            **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -732,6 +748,8 @@ class FedBuff(Strategy):
         self.discarded_total = int(state["discarded_total"])
         if self.auto_buffer and int(state.get("buffer_size", 0)) >= 1:  # K stays what the run started with
             self.buffer_size = int(state["buffer_size"])
+        if self.server_opt is not None and "server_optimizer" in state:
+            self.server_opt.load_state_dict(state["server_optimizer"], self.device)
         velocity = state["velocity"]
         if velocity is not None and not (
             isinstance(velocity, dict) and all(isinstance(v, torch.Tensor) for v in velocity.values())

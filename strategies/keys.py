@@ -8,6 +8,8 @@ re-exports them with the rest of the wire format for the ClientApp.
 ARRAYS = "arrays"  # ArrayRecord: the model sent, or the one trained
 # ArrayRecord: the parameters kept frozen (model.trainable), sent with every task and never aggregated
 FROZEN = "frozen-arrays"
+SCAFFOLD_C = "scaffold-c"  # ArrayRecord of a SCAFFOLD task: the server's control variate c
+SCAFFOLD_DELTA = "scaffold.dc."  # a SCAFFOLD reply's arrays: this prefix + a key holds the node's change of c_i
 CONFIG = "config"  # ConfigRecord of a task: the client settings, plus SERVER_ROUND and TASK
 METRICS = "metrics"  # MetricRecord of a reply
 SERVER_ROUND = "server-round"  # the round (FedBuff: the model version) a task trains from

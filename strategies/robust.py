@@ -22,7 +22,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,8 +30,12 @@ from strategies.fedavg import FedAvg, guarded_step
 from strategies.registry import POLICIES
 from strategies.replies import Screened, ValidReply, reject
 from strategies.robust_ops import apply_update, coordinatewise, stage_groups
+from strategies.server_opt import ServerOptimizer
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.tensor_ops import Part, TensorDict, is_finite
+
+if TYPE_CHECKING:
+    from strategies.regional import RegionalCombine
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -192,7 +196,7 @@ class RobustStrategy(FedAvg):
     ----------
     rule : RobustRule
         Aggregates each round's valid replies; every base is the round's global model.
-    sampling, limits, wiring, device
+    sampling, limits, wiring, device, regions
         As in `FedAvg`.
     """
 
@@ -204,8 +208,12 @@ class RobustStrategy(FedAvg):
         limits: ReplyLimits | None = None,
         wiring: TaskWiring | None = None,
         device: torch.device | str = "cpu",
+        regions: RegionalCombine | None = None,
+        server_opt: ServerOptimizer | None = None,
     ) -> None:
-        super().__init__(sampling=sampling, limits=limits, wiring=wiring, device=device)
+        super().__init__(
+            sampling=sampling, limits=limits, wiring=wiring, device=device, regions=regions, server_opt=server_opt
+        )
         self.rule = rule
         self.screen_finite = not rule.finds_non_finite
 

@@ -50,6 +50,7 @@ SLOW_MODULES: dict[str, str] = {
     "test_scale": "two federations of 100 and 1000 nodes, each in its own process",
     "test_soak": "the shortened soak: a supervised secure stack through node, ServerApp and SuperLink kills (~5 min)",
     "test_secagg_e2e": "secagg=plus through `flwr run` (10 nodes) and on the secure loopback stack with a killed node",
+    "test_regions_deployment": "the two-level loopback deployment: 2 regions x 2 sites, 3 rounds, a site killed (~15 min)",
 }
 
 # Modules that mix fast and slow tests: the slow ones, by test function name (every
@@ -58,6 +59,9 @@ SLOW_MODULES: dict[str, str] = {
 SLOW_TESTS: dict[str, set[str]] = {
     "test_secagg": {"test_what_the_server_holds_of_one_node_is_uniform_over_many_rounds"},  # 400 SecAgg+ rounds
     "test_bulyan": {"test_strategy_bulyan_runs_synchronously_and_keeps_n_minus_2f"},  # a 7-node federation
+    "test_regions": {"test_a_resumed_run_keeps_each_aggregators_wan_residual"},  # three federations
+    # two federations, secure and in the clear (the default run keeps the secure combine's unit tests)
+    "test_regions_secagg": {"test_secure_regions_through_the_real_clientapp_on_the_virtual_clock"},
     # real Flower processes
     "test_register_nodes": {
         "superlink",  # the fixture starts a SuperLink with node authentication
@@ -207,7 +211,7 @@ def _check_listed(items: list[pytest.Item]) -> None:
 # modules mostly wait (heartbeats, back-off, process start-up) and their timeouts assume one
 # federation at a time: they run in order on one worker, first, while the other worker takes
 # everything else.
-SERIAL_FIRST = ("test_superlink_loopback", "test_secagg_e2e")
+SERIAL_FIRST = ("test_superlink_loopback", "test_secagg_e2e", "test_regions_deployment")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

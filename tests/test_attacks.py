@@ -95,9 +95,9 @@ def test_label_flip_trains_on_flipped_labels(monkeypatch):
     seen: dict[int, torch.Tensor] = {}
     real_train = client_module.train
 
-    def spy(model, data, cfg, precision, seed, scaler_state=None, task=None):
+    def spy(model, data, cfg, precision, seed, scaler_state=None, task=None, **kwargs):
         seen[len(seen)] = data.y.clone()
-        return real_train(model, data, cfg, precision, seed, scaler_state, task)
+        return real_train(model, data, cfg, precision, seed, scaler_state, task, **kwargs)
 
     monkeypatch.setattr(client_module, "train", spy)
     _replies("attack=none")

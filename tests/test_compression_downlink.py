@@ -15,7 +15,8 @@ from app.run.results import read_rows
 from app.tools.in_process import run_in_process
 from strategies.replies import payload_bytes
 
-FAST = "federation.rounds=3 train.epochs=1 seed=3 "
+# a constant lr: three short rounds that must learn
+FAST = "federation.rounds=3 train.epochs=1 seed=3 train.lr_schedule=constant "
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ name and leaves the node able to train the next task; the settings are checked."
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ class DiesOnRank(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized() and os.environ.get(KILL) == str(dist.get_rank()):
+            print("rank going down", file=sys.stderr, flush=True)
             os._exit(3)  # as the OOM killer or a segfault would: no exception, no clean-up
         return self.net(x)
 
@@ -52,7 +54,8 @@ def _work(cfg: TrainConfig, model: ModelConfig | None = None) -> Work:
 
 
 def test_two_gloo_ranks_equal_one_process_and_a_rank_that_dies_fails_only_its_task(digits, monkeypatch):
-    """A rank killed mid-task fails that task by name, with nothing half-trained coming back;
+    """A rank killed mid-task fails that task by name and with its last words on stderr, with
+    nothing half-trained coming back;
     the node's next task trains on two ranks and equals one process with the same global
     batch: 100 examples in batches of 30 (30, 30, 30, 10), slices of 15 or 5 per rank, their
     losses weighted so that the ranks' mean gradient is the batch's."""
@@ -65,7 +68,8 @@ def test_two_gloo_ranks_equal_one_process_and_a_rank_that_dies_fails_only_its_ta
     two = local_devices(2, torch.device("cpu"))
     monkeypatch.setenv(KILL, "1")
     with pytest.raises(
-        RuntimeError, match=r"local DDP training failed on rank 1 of 2 \(cpu\).*other ranks were stopped"
+        RuntimeError,
+        match=r"local DDP training failed on rank 1 of 2 \(cpu\).*other ranks were stopped; its last output: rank going down",
     ):
         train_on_devices(ddp, digits, _work(cfg, dying), two)
     assert all(torch.equal(v, before[k]) for k, v in ddp.state_dict().items())

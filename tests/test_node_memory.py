@@ -104,4 +104,6 @@ def test_cosine_schedule_with_warm_up_is_the_closed_form() -> None:
         expected = 0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * (r - 3) / 7))
         assert lrs[r - 1] == pytest.approx(expected)
     assert lrs[-1] == pytest.approx(0.01) and lrs[2] == pytest.approx(0.1)
-    assert round_lr(TrainConfig(lr=0.1), 5, 10) == 0.1
+    assert round_lr(TrainConfig(lr=0.1, lr_schedule="constant"), 5, 10) == 0.1
+    # the default: a cosine from lr in round 1 to 0.3 x lr in the last round
+    assert [round_lr(TrainConfig(lr=0.1), r, 10) for r in (1, 10)] == pytest.approx([0.1, 0.03])

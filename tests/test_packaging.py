@@ -29,7 +29,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-PACKAGES = ("app", "strategies")  # what the wheel ships
+PACKAGES = ("app", "strategies", "hydra_plugins")  # what the wheel ships
 SOURCES = (*PACKAGES, "scripts", "bench")  # everything that must at least compile
 NEWER_PYTHONS = ("3.12", "3.13")
 

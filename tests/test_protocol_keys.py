@@ -88,8 +88,8 @@ def test_every_optional_train_metric_is_declared_too(monkeypatch):
         job.precision = replace(job.precision, amp="fp16")  # what the reply reports, not what trains
         return job
 
-    def train(model, data, cfg, precision, *args):  # noqa: ANN001, ANN002, ANN202
-        stats = real_train(model, data, cfg, replace(precision, amp="off"), *args)
+    def train(model, data, cfg, precision, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        stats = real_train(model, data, cfg, replace(precision, amp="off"), *args, **kwargs)
         return replace(stats, peak_gpu_mem_mb=12.5, oom_retries=1, micro_batch_size=8, skipped_steps=1)
 
     prepare_job = client_module.prepare_job

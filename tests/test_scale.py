@@ -56,7 +56,8 @@ def _federation(data: Path, root: Path, nodes: int) -> dict:
 
 def test_a_thousand_nodes_train_three_rounds_of_ten_in_bounded_memory(tmp_path: Path) -> None:
     data = tmp_path / "data.npz"
-    load_script("scale", "bench").write_data(data, 32_000)  # bench/scale.py's data: 1000 nodes hold ~29 images each
+    scale = load_script("scale", "bench")
+    scale.random_images_npz(data, scale.TRAIN, scale.TEST)  # bench/scale.py's data: 1000 nodes hold ~29 images each
 
     # The same cohort of 10 and the same data: 100 nodes of ~290 examples, then 1000 of ~29.
     small = _federation(data, tmp_path / "hundred", 100)

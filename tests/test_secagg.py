@@ -38,6 +38,7 @@ from app.secagg.ring import Layout, Ring
 from app.secagg.server import SecureRound, default_threshold, neighbours
 from app.secagg.strategy import SecAggSettings, SecureFedAvg
 from app.simulation.local_grid import InProcessGrid
+from strategies.regional import RegionalCombine
 from strategies.settings import Sampling
 from strategies.tensor_ops import record_to_tensors
 
@@ -112,12 +113,14 @@ def _round(
     ring: Ring = RING,
     seen: Callable[[Message], None] | None = None,
     on_too_few: str = "skip",
+    regions: RegionalCombine | None = None,
 ) -> tuple[SecureFedAvg, ArrayRecord | None, MetricRecord | None, object, InProcessGrid]:
     grid = InProcessGrid(nodes, n)
     strategy = SecureFedAvg(
         secagg=SecAggSettings(ring, threshold, degree, max_weight=1000.0, on_too_few=on_too_few),
         dp=dp,
         sampling=Sampling(min_train_nodes=n, min_available_nodes=n),
+        regions=regions,
     )
     arrays = ArrayRecord({k: Array(v.numpy()) for k, v in base.items()})
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))

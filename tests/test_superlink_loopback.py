@@ -516,3 +516,37 @@ def test_the_fleet_edge_refuses_oversized_bodies_before_the_superlink_sees_them(
     assert node == 401, f"a full chunk must pass the edge and meet node authentication, got {node}"
     assert upstream["sized"] == upstream["chunked"] == "-", upstream  # nginx never opened the SuperLink
     assert upstream["chunk"] == fed.address, upstream
+
+
+def test_a_restarted_node_takes_its_scaffold_variate_up_from_its_state_directory(tmp_path: Path) -> None:
+    """SCAFFOLD on two deployed nodes with a `state-dir`: node 1 is killed after round 1 and
+    started again (a new SuperNode process, so a new Context without c_i); in a later round its
+    ClientApp takes c_i up from the file it wrote before the crash (the same tensors, by digest),
+    and the run completes with the other node carrying the rounds it missed."""
+    import torch
+
+    from app.task.scaffold import digest, variate_file
+
+    states = [tmp_path / f"state-{i}" for i in range(2)]
+    configs = [f'name="node-{i}" partition-id={i} num-partitions=2 state-dir="{s}"' for i, s in enumerate(states)]
+    fed = LoopbackFederation(tmp_path / "loopback", 2, secure=False, node_configs=configs)
+    try:
+        fed.up()
+        run = fed.submit(
+            "strategy=scaffold federation.rounds=5 train.epochs=1 federation.min_train_nodes=1 "
+            "federation.min_available_nodes=1 federation.round_timeout_s=20 federation.message_ttl_s=60"
+        )
+        saved = variate_file(str(states[1]), int(run.run_id))
+        wait_until(saved.is_file, 300.0, f"node 1 to keep its first variate in {saved}", interval=0.2)
+        fed.kill_node(1)
+        before = digest(torch.load(saved, weights_only=True))
+        log = fed.root / "node-1" / "output.log"
+        seen = len(tail(log, 10**7))
+        fed.start_node(1)
+        summary = run.wait(timeout=600)
+        after_restart = tail(log, 10**7)[seen:]
+    finally:
+        fed.close()
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 5, summary
+    assert f"SCAFFOLD: control variate taken up from {saved} (sha256 {before})" in after_restart, after_restart[-4000:]
+    assert digest(torch.load(saved, weights_only=True)) != before  # and it trained on from there

@@ -48,6 +48,10 @@ def test_sweep_dir_must_be_absolute_and_outside_the_app(tmp_path: Path) -> None:
         sweep_dir(str(APP_DIR / "outputs"), "s")
     assert job_subdir("") == "defaults" and job_subdir("seed=0,strategy=krum") == "seed=0,strategy=krum"
     assert job_subdir("dataset.path=/data/x.npz,seed=0") == "dataset.path=_data_x.npz,seed=0"
+    long = ",".join(f"strategy.key{i}=0.012520653814999465" for i in range(12))  # 400 bytes
+    short = job_subdir(long)
+    assert len(short.encode()) == 200 and short.startswith(long[:150]) and short == job_subdir(long)
+    assert job_subdir(long.replace("key11", "key12")) != short
 
 
 def test_cli_refuses_a_sweep_root_inside_the_app_dir_before_running_anything(tmp_path: Path) -> None:

@@ -273,11 +273,13 @@ def test_exported_text_partitions_tokenize_back_to_the_same_rows(labelled: Path,
 
 
 def test_a_lora_run_resumes_from_its_checkpoint(corpus: Path, tmp_path: Path) -> None:
-    base = f"{LM} dataset.path={corpus} dataset.cache_dir={tmp_path / 'tok'} train.lr=0.003 name=lora resume=auto"
+    # a constant lr: the resume extends federation.rounds, over which the default cosine is laid
+    lr = "train.lr=0.003 train.lr_schedule=constant"
+    base = f"{LM} dataset.path={corpus} dataset.cache_dir={tmp_path / 'tok'} {lr} name=lora resume=auto"
     first, _ = run_in_process(f"{base} federation.rounds=2", tmp_path / "runs", nodes=4)
     resumed, _ = run_in_process(f"{base} federation.rounds=3", tmp_path / "runs", nodes=4)
     assert resumed["status"] == "completed" and resumed["rounds_completed"] == 3
-    whole, _ = run_in_process(f"{LM} dataset.path={corpus} train.lr=0.003 federation.rounds=3", tmp_path / "w", nodes=4)
+    whole, _ = run_in_process(f"{LM} dataset.path={corpus} {lr} federation.rounds=3", tmp_path / "w", nodes=4)
     assert resumed["final_metric"] == pytest.approx(whole["final_metric"], abs=1e-9)  # the same run, in two parts
 
 

@@ -18,7 +18,6 @@ not-yet-sent remainder is lost).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from app.compression.codecs import MalformedPayload, Piece, bundle, check_parts, encode, unbundle, with_error_feedback
 from app.config.schema import CompressionConfig
+from app.task.kept import load_kept, save_kept
 
 PAYLOAD = "compressed"  # the one array of an encoded reply or task: all its parts (codecs.bundle)
 RESIDUAL = "compression-residual"  # ArrayRecord in the node's Context state: what error feedback carries over
@@ -39,24 +39,6 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 def residual_file(state_dir: str, run_id: int) -> Path:
     """Where a node with a state directory keeps its residual for run `run_id`."""
     return Path(state_dir) / f"compression-residual-run{run_id}.pt"
-
-
-def _load_residual(path: Path) -> TensorDict | None:
-    if not path.exists():
-        return None
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - a torn or foreign file: start from zero, as without one
-        log.warning("%s: cannot read the saved residual (%s); starting from zero", path, err)
-        return None
-
-
-def _save_residual(path: Path, residual: TensorDict) -> None:
-    """Written to a temporary file and renamed: a crash mid-write leaves the previous residual."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({k: v.detach().cpu() for k, v in residual.items()}, tmp)
-    os.replace(tmp, path)
 
 
 def update_of(trained: TensorDict, received: TensorDict) -> TensorDict:
@@ -87,13 +69,13 @@ def pack(
         if RESIDUAL in state:
             residual = state[RESIDUAL].to_torch_state_dict()
         else:  # a new Context: the first update, or a restarted node
-            residual = _load_residual(saved) if saved is not None else None
+            residual = load_kept(saved) if saved is not None else None
         if residual is not None and residual.keys() != {k for k, t in update.items() if t.dtype.is_floating_point}:
             residual = None  # another model (model.trainable changed): the old remainder does not apply
         parts, residual = with_error_feedback(update, residual, cfg.name, generator=generator, **settings)
         state[RESIDUAL] = ArrayRecord({k: v.detach().cpu() for k, v in residual.items()})
         if saved is not None:
-            _save_residual(saved, residual)
+            save_kept(saved, residual)
     else:
         parts = encode(update, cfg.name, generator=generator, **settings)
     return ArrayRecord({PAYLOAD: bundle(parts, update, cfg.name, **settings).cpu()})

@@ -14,13 +14,16 @@ from typing import Any
 # The robust rules' names and too-few policies belong to the strategies (an import-free module).
 from strategies.registry import POLICIES, ROBUST_RULES
 
-STRATEGIES = ("fedavg", *ROBUST_RULES, "fedbuff")
+STRATEGIES = ("fedavg", *ROBUST_RULES, "fedbuff", "scaffold", "ditto")
 BUFFER_AGGREGATORS = ("mean", *ROBUST_RULES)
 STRAGGLERS = ("none", "fixed", "lognormal")
 FLEET_SPEEDS = ("uniform", "fixed", "lognormal", "devices")  # app/simulation/fleet.py
 AVAILABILITY = ("always", "bernoulli", "trace")
 PRIVACY = ("none", "central", "central_adaptive", "local", "distributed", "distributed_adaptive")
 DISTRIBUTED_PRIVACY = ("distributed", "distributed_adaptive")  # need secagg=plus: each node noises its own update
+TOPOLOGIES = ("flat", "regions")  # topology.name (app/regions/)
+REGION_RULES = ("mean", *ROBUST_RULES)  # topology.region_rule: how a region combines its members
+WAN_CODECS = ("none", "fp16", "bf16", "int8")  # topology.wan_compression: a region's update on the WAN
 SECAGGS = ("none", "plus")  # secagg.name (app/secagg/)
 SECAGG_POLICIES = ("skip", "stop")  # secagg.on_too_few: an aborted round keeps the model, or ends the run
 ROBUST_POLICIES = POLICIES
@@ -64,6 +67,8 @@ ROW_COLUMNS = (
     "client_epsilon_max", "client_epsilon_mean", "dp_history_rejected",
     # secure aggregation (app/secagg/strategy.py: SecureFedAvg.row)
     "secagg",
+    # topology=regions (app/regions/): bytes over the wide-area links, each region's part
+    "wan_bytes", "regions",
 )  # fmt: skip
 
 
@@ -113,9 +118,19 @@ class StrategyConfig:
     staleness_fn: str = "polynomial"  # constant | polynomial | hinge
     staleness_a: float = 0.5
     staleness_b: float = 4.0  # hinge: no discount up to b versions
-    server_lr: float = 0.5  # η
-    server_momentum: float = 0.0  # β
+    server_lr: float = 0.0  # η; 0: auto (FedBuff 0.5, else strategies/server_opt.py DEFAULT_LR)
+    server_momentum: float = 0.0  # β (FedBuff's step, server_optimizer=momentum)
     buffer_aggregator: str = "mean"  # mean, or a robust rule of strategies/registry.py
+    # Server optimizer of synchronous strategies (strategies/server_opt.py): none | sgd | momentum |
+    # adam | yogi | adagrad, a step from the current model along the round's aggregate update
+    server_optimizer: str = "none"
+    server_beta1: float = 0.9  # β₁ of adam, yogi, adagrad
+    server_beta2: float = 0.99  # β₂ of adam, yogi
+    server_tau: float = 1e-3  # τ
+    # FedProx (Li et al. 2020): μ/2 ||w - w_global||² added to every node's loss (any strategy)
+    proximal_mu: float = 0.0
+    # Ditto (strategy=ditto, Li et al. 2021): each node's personal model, pulled towards the global one
+    ditto_lambda: float = 0.0
 
 
 @dataclass(unsafe_hash=True)
@@ -202,9 +217,9 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: transformers' switch, or block-wise
     grad_accum_steps: int = 1  # batches whose gradients add up to one optimizer step
     max_steps: int = 0  # optimizer steps per round instead of epochs; 0 = train.epochs passes
-    lr_schedule: str = "constant"  # constant | cosine: the lr of round r, stepped by the node from the round number
+    lr_schedule: str = "cosine"  # constant | cosine: the lr of round r, stepped by the node from the round number
     warmup_rounds: int = 0  # cosine: rounds of linear warm-up before the decay
-    min_lr_ratio: float = 0.0  # cosine: the last round's lr as a fraction of train.lr
+    min_lr_ratio: float = 0.3  # cosine: the last round's lr as a fraction of train.lr
 
 
 @dataclass(unsafe_hash=True)
@@ -313,6 +328,30 @@ class FleetConfig:
     availability: str = "always"  # always | bernoulli | trace
     completion_p: float = 1.0  # bernoulli: probability that a task completes (else the node drops out mid-task)
     trace: str = ""  # trace: CSV of offline intervals, columns partition,offline_from_s,offline_until_s
+    # Wide-area links, per region (topology.regions; cycled): a region's aggregator to the server, or
+    # under topology=flat the region's egress its sites share; empty: no wide-area leg
+    wan_downlink_mbps: list[float] = field(default_factory=list)
+    wan_uplink_mbps: list[float] = field(default_factory=list)
+    wan_latency_ms: list[float] = field(default_factory=list)  # one way
+
+
+@dataclass(unsafe_hash=True)
+class TopologyConfig:
+    """Where a round's replies are combined (app/regions/, docs/fleet.md#regions). flat: every node
+    to the server. regions: each region combines its members' replies first and one update per
+    region crosses the wide-area link. The regions are given by exactly one of `regions`,
+    `assignment` or `csv`; under flat they place the sites behind their region's WAN link (fleet)."""
+
+    name: str = "flat"  # flat | regions
+    regions: int = 0  # a count: partition i is in region i % regions
+    assignment: list[int] = field(default_factory=list)  # the region of partition 0, 1, ... (every partition)
+    csv: str = ""  # a CSV with the columns partition,region
+    region_rule: str = "mean"  # REGION_RULES: inside each region, the sample-weighted mean or a robust rule
+    region_byzantine: int = 0  # f inside one region, for a robust region_rule
+    wan_compression: str = "none"  # WAN_CODECS: a region's update re-encoded for the WAN, with error feedback
+    # A deployment (app/regions/deployed.py): the most examples one regional aggregator's reply may
+    # count for, its sites' capped counts summed; 0: federation.max_examples_per_node
+    region_max_examples: int = 0
 
 
 @dataclass(unsafe_hash=True)
@@ -363,6 +402,7 @@ class SweepConfig:
     root: str = "~/fedgpu-runs/sweeps"
     name: str = "default"
     timeout_s: float = 3600.0  # per job; 0 = no limit
+    trial: int | None = None  # set by hydra/sweeper=optuna: the job's Optuna trial (app/tools/study.py)
 
 
 @dataclass
@@ -378,6 +418,7 @@ class Config:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)

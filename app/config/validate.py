@@ -31,6 +31,7 @@ from app.config.schema import (
     PARTITIONS,
     PEFT_METHODS,
     PRIVACY,
+    REGION_RULES,
     ROBUST_POLICIES,
     ROBUST_RULES,
     ROW_COLUMNS,
@@ -39,11 +40,14 @@ from app.config.schema import (
     STRAGGLERS,
     STRATEGIES,
     TASK_TYPES,
+    TOPOLOGIES,
+    WAN_CODECS,
     Config,
     ConfigError,
     StrategyConfig,
     metric_name,
 )
+from strategies.server_opt import SERVER_OPTIMIZERS
 from strategies.staleness import STALENESS_FUNCTIONS
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -140,6 +144,9 @@ def validate(cfg: Config) -> Config:
     )
     p.one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
     _validate_fedbuff(p, s)
+    _validate_server_optimizer(p, cfg)
+    _validate_scaffold(p, cfg)
+    _validate_ditto(p, cfg)
     if s.name == "fedbuff":
         p.require(
             cfg.federation.fraction_evaluate == 0,
@@ -197,6 +204,7 @@ def validate(cfg: Config) -> Config:
     p.require(g.sigma >= 0, "stragglers.sigma", g.sigma, "must be >= 0")
     p.require(0 <= g.dropout < 1, "stragglers.dropout", g.dropout, "must be in [0, 1)")
     _validate_fleet(p, cfg)
+    _validate_topology(p, cfg)
 
     a = cfg.attack
     p.one_of("attack.name", a.name, ATTACKS)
@@ -622,9 +630,120 @@ def _validate_fedbuff(p: Problems, s: StrategyConfig) -> None:
     p.one_of("strategy.staleness_fn", s.staleness_fn, STALENESS_FUNCTIONS)
     p.require(s.staleness_a >= 0, "strategy.staleness_a", s.staleness_a, "must be >= 0 (< 0 favours stale updates)")
     p.require(s.staleness_b >= 0, "strategy.staleness_b", s.staleness_b, "must be >= 0")
-    p.require(s.server_lr > 0, "strategy.server_lr", s.server_lr, "must be > 0")
+    p.require(s.server_lr >= 0, "strategy.server_lr", s.server_lr, "must be > 0, or 0 for the default")
     p.require(0 <= s.server_momentum < 1, "strategy.server_momentum", s.server_momentum, "must be in [0, 1)")
     p.one_of("strategy.buffer_aggregator", s.buffer_aggregator, BUFFER_AGGREGATORS)
+
+
+def _validate_ditto(p: Problems, cfg: Config) -> None:
+    """strategy=ditto: its personal models show only in federated evaluation."""
+    if cfg.strategy.name != "ditto":
+        return
+    s = cfg.strategy
+    p.require(
+        s.ditto_lambda > 0, "strategy.ditto_lambda", s.ditto_lambda, "must be > 0 (the pull towards the global model)"
+    )
+    p.require(
+        cfg.federation.fraction_evaluate > 0,
+        "federation.fraction_evaluate",
+        cfg.federation.fraction_evaluate,
+        "Ditto's personal models are evaluated by their nodes only (eval-personal-<metric>): set it > 0",
+    )
+    p.require(
+        cfg.privacy.name != "local",
+        "privacy.name",
+        cfg.privacy.name,
+        "a personal model trains without DP-SGD, and its evaluation metrics would leave the node unaccounted: "
+        "use privacy=none or central with strategy=ditto",
+    )
+
+
+def _validate_scaffold(p: Problems, cfg: Config) -> None:
+    """strategy=scaffold: a node's change of its control variate travels in the clear, beside a
+    model the server reads as it is; what would hide, compress or regroup either is refused."""
+    if cfg.strategy.name != "scaffold":
+        return
+    why = "SCAFFOLD's server reads each node's change of its control variate c_i in the clear"
+    p.require(
+        cfg.privacy.name == "none",
+        "privacy.name",
+        cfg.privacy.name,
+        f"{why}, an exact statistic of its training that no epsilon covers (and DP-SGD's noisy steps would "
+        "need their own variate): use privacy=none, or strategy=fedavg with privacy",
+    )
+    p.require(cfg.secagg.name == "none", "secagg.name", cfg.secagg.name, f"{why}: use secagg=none")
+    p.require(
+        cfg.train.optimizer == "sgd",
+        "train.optimizer",
+        cfg.train.optimizer,
+        "SCAFFOLD estimates a node's mean gradient as (x - y) / (steps x lr), which holds for SGD (with momentum b: "
+        "lr / (1 - b)), not for Adam's per-coordinate steps: use train.optimizer=sgd",
+    )
+    p.require(
+        cfg.compression.name == "none" and cfg.compression.downlink == "none",
+        "compression",
+        f"{cfg.compression.name}/{cfg.compression.downlink}",
+        "SCAFFOLD's variates and models travel uncompressed (a codec for the variates is not built yet): "
+        "use compression=none",
+    )
+    p.require(
+        cfg.topology.name == "flat",
+        "topology.name",
+        cfg.topology.name,
+        "SCAFFOLD over regions would need a variate per region: not built yet; use topology=flat",
+    )
+    p.require(
+        cfg.ledger.contribution == "none",
+        "ledger.contribution",
+        cfg.ledger.contribution,
+        "contribution scores recompute FedAvg's aggregate from the replies, which under SCAFFOLD also carry "
+        "the variates: not built yet; use ledger.contribution=none",
+    )
+    p.require(
+        cfg.model.name != "hf",
+        "model.name",
+        cfg.model.name,
+        "model=hf sends its adapters under peft's names, not the parameters' own: SCAFFOLD's per-parameter "
+        "correction is not built for it yet",
+    )
+
+
+def _validate_server_optimizer(p: Problems, cfg: Config) -> None:
+    """strategy.server_optimizer and strategy.proximal_mu, and what they compose with."""
+    s = cfg.strategy
+    p.require(s.proximal_mu >= 0, "strategy.proximal_mu", s.proximal_mu, "must be >= 0 (0: no proximal term)")
+    p.require(
+        s.proximal_mu == 0 or cfg.privacy.name != "local",
+        "strategy.proximal_mu",
+        s.proximal_mu,
+        "privacy=local trains with Opacus, whose optimizer builds each step's gradient from the clipped "
+        "per-example gradients and noise: a proximal term there is not built yet; use proximal_mu=0",
+    )
+    if not p.one_of("strategy.server_optimizer", s.server_optimizer, SERVER_OPTIMIZERS) or s.server_optimizer == "none":
+        return
+    p.require(0 <= s.server_beta1 < 1, "strategy.server_beta1", s.server_beta1, "must be in [0, 1)")
+    p.require(0 <= s.server_beta2 < 1, "strategy.server_beta2", s.server_beta2, "must be in [0, 1)")
+    p.require(s.server_tau > 0, "strategy.server_tau", s.server_tau, "must be > 0")
+    p.require(
+        s.server_optimizer != "momentum" or s.server_momentum > 0,
+        "strategy.server_momentum",
+        s.server_momentum,
+        "server_optimizer=momentum (FedAvgM) needs a momentum β > 0, e.g. strategy.server_momentum=0.9",
+    )
+    p.require(
+        s.name != "fedbuff" or not cfg.privacy.name.startswith("central"),
+        "strategy.server_optimizer",
+        s.server_optimizer,
+        "FedBuff with central DP steps by its release's own rule (server_lr / K): a server optimizer there is "
+        "not built yet; use server_optimizer=none",
+    )
+    p.require(
+        cfg.ledger.contribution == "none",
+        "ledger.contribution",
+        cfg.ledger.contribution,
+        "contribution scores value each reply's share of the round's aggregate; a server optimizer's step "
+        "is not a share of it: use strategy.server_optimizer=none with contribution scores",
+    )
 
 
 def _validate_privacy(p: Problems, cfg: Config) -> None:
@@ -682,6 +801,111 @@ def _validate_privacy(p: Problems, cfg: Config) -> None:
         )
 
 
+def _validate_topology(p: Problems, cfg: Config) -> None:
+    """topology=flat|regions (app/regions/) and the WAN links of the fleet; under regions, what
+    needs every update at the server, or a per-node link, is refused with the reason."""
+    t, f = cfg.topology, cfg.fleet
+    p.one_of("topology.name", t.name, TOPOLOGIES)
+    p.one_of("topology.region_rule", t.region_rule, REGION_RULES)
+    p.one_of("topology.wan_compression", t.wan_compression, WAN_CODECS)
+    p.require(t.region_byzantine >= 0, "topology.region_byzantine", t.region_byzantine, "must be >= 0")
+    p.require(t.regions >= 0, "topology.regions", t.regions, "a count of regions >= 1, or 0 to give them otherwise")
+    p.require(all(r >= 0 for r in t.assignment), "topology.assignment", t.assignment, "region ids are 0, 1, ...")
+    given = [k for k, v in (("regions", t.regions), ("assignment", t.assignment), ("csv", t.csv)) if v]
+    p.require(
+        len(given) <= 1,
+        "topology",
+        given,
+        "give the regions one way: topology.regions (a count), topology.assignment (a list) or topology.csv",
+    )
+    if t.name == "regions":
+        p.require(
+            bool(given),
+            "topology.regions",
+            t.regions,
+            "topology=regions needs the regions: a count (topology.regions=5), a list (topology.assignment=[0,0,1,1]) "
+            "or a CSV of partition,region (topology.csv=...)",
+        )
+    wan = {"fleet.wan_downlink_mbps": f.wan_downlink_mbps, "fleet.wan_uplink_mbps": f.wan_uplink_mbps}
+    for key, rates in wan.items():
+        p.require(all(x > 0 for x in rates), key, rates, "Mbit/s must be > 0")
+    p.require(all(x >= 0 for x in f.wan_latency_ms), "fleet.wan_latency_ms", f.wan_latency_ms, "must be >= 0")
+    links = [f.wan_downlink_mbps, f.wan_uplink_mbps, f.wan_latency_ms]
+    p.require(
+        all(links) or not any(links),
+        "fleet.wan_*",
+        links,
+        "give fleet.wan_downlink_mbps, wan_uplink_mbps and wan_latency_ms together (per region, cycled), or none",
+    )
+    if any(links):
+        p.require(
+            bool(given),
+            "fleet.wan_*",
+            links,
+            "WAN links belong to regions: place the sites with topology.regions (or assignment, csv); under "
+            "topology=flat the sites of a region share its link",
+        )
+    if t.name != "regions":
+        return
+    why = "topology=regions combines each region's replies at its aggregator"
+    if cfg.strategy.name == "fedbuff":
+        p.require(
+            cfg.privacy.name == "none",
+            "privacy.name",
+            cfg.privacy.name,
+            "FedBuff over regions buffers one update per region: central DP would clip a region's update, not a "
+            "client's, and local DP's per-site accounts do not travel with it yet; use privacy=none, or a "
+            "synchronous strategy with regions",
+        )
+        p.require(
+            cfg.ledger.contribution == "none",
+            "ledger.contribution",
+            cfg.ledger.contribution,
+            "FedBuff over regions buffers regions, not sites: per-site scores are not defined there",
+        )
+    if cfg.secagg.name != "none":  # SecAgg+ inside each region: its aggregator learns the region's sums only
+        p.require(
+            t.region_rule == "mean",
+            "topology.region_rule",
+            t.region_rule,
+            f"{why}, and under secagg=plus it learns only their sum: a robust rule inside a region needs each "
+            "update in the clear; use topology.region_rule=mean (the top level sees regions' models: any rule "
+            "there would be sound, but secagg=plus runs with strategy=fedavg)",
+        )
+        p.require(
+            cfg.privacy.name not in DISTRIBUTED_PRIVACY,
+            "privacy.name",
+            cfg.privacy.name,
+            "distributed DP's noise is planned so that the whole cohort's sum carries the mechanism; with SecAgg+ "
+            "inside each region an aggregator unmasks its region's sum, which carries only its sites' share of "
+            "the noise: not built yet, use privacy=none (or topology=flat)",
+        )
+    p.require(
+        cfg.compression.downlink == "none",
+        "compression.downlink",
+        cfg.compression.downlink,
+        f"{why}, and the aggregator forwards one model to its sites: a per-node downlink codec would have to run "
+        "there; use topology.wan_compression for the wide-area leg",
+    )
+    if cfg.privacy.name.startswith("central"):
+        p.require(
+            t.region_rule == "mean" and t.wan_compression == "none",
+            "topology",
+            f"region_rule={t.region_rule} wan_compression={t.wan_compression}",
+            "central DP bounds one client's effect on a plain sum of clipped updates (its sensitivity); a robust "
+            "rule inside a region, or a regional sum re-encoded for the WAN, changes what one client moves: use "
+            "topology.region_rule=mean topology.wan_compression=none",
+        )
+    p.require(
+        cfg.ledger.contribution == "none"
+        or (t.region_rule == "mean" and t.wan_compression == "none" and cfg.strategy.name == "fedavg"),
+        "ledger.contribution",
+        cfg.ledger.contribution,
+        "contribution scores recompute the flat aggregate, which equals the regions' only for means at both levels "
+        "without WAN compression: use strategy=fedavg topology.region_rule=mean topology.wan_compression=none",
+    )
+
+
 def _validate_secagg(p: Problems, cfg: Config) -> None:
     """secagg=plus and what it composes with: whatever needs one node's update in the clear is refused."""
     sa, dp = cfg.secagg, cfg.privacy
@@ -697,10 +921,11 @@ def _validate_secagg(p: Problems, cfg: Config) -> None:
         return
     why = "the server sees only the sum of the round's updates under secure aggregation"
     p.require(
-        cfg.strategy.name == "fedavg",
+        cfg.strategy.name in ("fedavg", "ditto"),
         "strategy.name",
         cfg.strategy.name,
-        f"{why}: a robust rule (and FedBuff's buffer) needs each update in the clear; use strategy=fedavg",
+        f"{why}: a robust rule (and FedBuff's buffer, SCAFFOLD's variates) needs each update in the clear; use "
+        "strategy=fedavg (or ditto)",
     )
     p.require(
         not dp.name.startswith("central"),

@@ -15,7 +15,7 @@ import random
 import sys
 import time
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,20 @@ from app.config.schema import Config, ConfigError, FleetConfig
 from app.ledger.chain import Ledger
 from app.ledger.nodes import NodeKeys
 from app.ledger.signing import load_signing_key
-from app.protocol import BASE_DIGEST, LEDGER_ON, RECEIPT_HASH, RECEIPT_REPLY, RECEIPT_STEP, ROUNDS_KEY, to_client_record
+from app.protocol import (
+    BASE_DIGEST,
+    DITTO_LAMBDA,
+    LEDGER_ON,
+    PROXIMAL_MU,
+    RECEIPT_HASH,
+    RECEIPT_REPLY,
+    RECEIPT_STEP,
+    ROUNDS_KEY,
+    to_client_record,
+)
+from app.regions.deployed import deployed_regions
+from app.regions.grid import RegionGrid
+from app.regions.topology import has_regions, region_of_partitions, wan_links
 from app.run.checkpoint import Checkpoint, load_checkpoint, restore_rng
 from app.run.contributions import RoundScores
 from app.run.factory import (
@@ -42,6 +55,7 @@ from app.run.factory import (
     example_cap,
     global_model,
     partition_sizes,
+    regional_combine,
     run_privacy,
     secure_aggregation,
     uplink_decoder,
@@ -51,9 +65,9 @@ from app.run.monitoring import Monitor
 from app.run.privacy import RunPrivacy
 from app.run.results import RunRecorder, new_run_dir
 from app.simulation.attacks import malicious_partitions
-from app.simulation.fleet import describe, fleet_of, fleet_profiles
+from app.simulation.fleet import describe, fleet_of, fleet_profiles, shared_wan
 from app.simulation.local_grid import InProcessGrid
-from app.simulation.virtual_clock import VirtualClockGrid, discover_partitions
+from app.simulation.virtual_clock import Regions, VirtualClockGrid, discover_partitions
 from app.task.data import (
     Examples,
     check_partitioning,
@@ -69,6 +83,8 @@ from app.task.training import Precision, evaluate, model_inputs, resolve_device,
 from strategies.interface import ServerStrategy
 from strategies.node_names import NodeNames
 from strategies.partitions import PartitionBinding
+from strategies.regional import RegionalCombine
+from strategies.replies import MAX_WEIGHT
 from strategies.settings import NodeConfig, ReplyLimits, TaskWiring
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -125,6 +141,8 @@ class Run:
     scores: RoundScores | None = None
     clock: VirtualClockGrid | None = None
     fleet: dict[str, Any] | None = None  # summary.json's fleet entry
+    region_of_partition: list[int] | None = None  # the sites' regions (topology.regions), when placed
+    regions: RegionalCombine | None = None  # topology=regions: the strategy's two-level combine
     attacked: list[int] = field(default_factory=list)  # malicious partitions
     streams: bool = False  # training replies folded as they arrive (app/run/memory.py), else gathered
     first_round: int = 1
@@ -235,10 +253,13 @@ def start_clock(
     partitions: PartitionBinding,
     labels: np.ndarray,
     asynchronous: bool,
+    region_of_partition: list[int] | None = None,
 ) -> tuple[VirtualClockGrid, dict[str, Any]]:
     """The virtual clock over the grid (and summary.json's fleet entry): each node's partition
     (asked once), its profile, and the work each task means (its partition's training examples
-    x epochs; evaluation: its validation examples)."""
+    x epochs; evaluation: its validation examples). With the sites in regions and `fleet.wan_*`:
+    topology=regions times each region's WAN leg (`Regions`); flat gives each site its fair share
+    of its region's WAN link (`shared_wan`)."""
     if not partitions.from_claims:
         raise ConfigError(
             f"fleet={fleet.name}: fleet profiles and stragglers simulate nodes under `flwr run` simulation; "
@@ -249,6 +270,13 @@ def start_clock(
         if partitions.bind(node, partition) is None:
             raise ConfigError(f"fleet: node {node} claims partition {partition} of {len(nodes)}")
     profiles = fleet_profiles(fleet, len(nodes), cfg.seed)
+    regions = None
+    if region_of_partition is not None and (wan := wan_links(fleet, max(region_of_partition) + 1)) is not None:
+        if cfg.topology.name == "regions":
+            regions = Regions(region_of_partition, wan)
+        else:
+            sites = [region_of_partition.count(r) for r in range(len(wan))]
+            profiles = [shared_wan(p, wan[r], sites[r]) for p, r in zip(profiles, region_of_partition, strict=True)]
     sizes = partition_sizes(cfg, labels, len(nodes))
 
     def work(partition: int, kind: str) -> float:
@@ -268,7 +296,7 @@ def start_clock(
     }
     f = cfg.federation
     needed = 1 if asynchronous else max(f.min_available_nodes, f.min_train_nodes)
-    return VirtualClockGrid(grid, profiles, held, work, cfg.seed, min_nodes=needed), summary
+    return VirtualClockGrid(grid, profiles, held, work, cfg.seed, min_nodes=needed, regions=regions), summary
 
 
 def open_ledger(cfg: Config, recorder: RunRecorder, first_round: int) -> Ledger | None:
@@ -310,6 +338,8 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     model = Model(module, trainable_keys(module, cfg.model.trainable))
 
     simulated = runs_simulated_nodes(grid)
+    # topology=regions on a deployment: the nodes are regional aggregators (app/regions/deployed.py)
+    regional = deployed_regions(cfg, grid, simulated)
     f = cfg.federation
     nodes = wait_for_nodes(grid, f.min_available_nodes, f.node_wait_timeout_s, simulated)
     check_partitioning(key, len(nodes), cfg.partition)
@@ -322,7 +352,12 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         "partition claims: %s",
         "the first binds (simulated nodes)"
         if partitions.from_claims
-        else "ignored (a deployment: each node is capped at federation.max_examples_per_node)",
+        else "ignored (a deployment: each node is capped at "
+        + (
+            "topology.region_max_examples, as a regional aggregator)"
+            if cfg.topology.name == "regions"
+            else "federation.max_examples_per_node)"
+        ),
     )
 
     ckpt_path = checkpoint_to_resume(cfg, root)
@@ -339,7 +374,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         if simulated and cfg.secagg.name != "none"
         else None
     )
-    secagg, distributed = secure_aggregation(cfg, dim, largest)
+    secagg, distributed = secure_aggregation(regional.top(cfg) if regional else cfg, dim, largest)
     privacy = run_privacy(cfg, dp or distributed, partitions, _run_state(ckpt), names)
     node_config = privacy.node_config()
     receipts = Receipts() if cfg.ledger.name == "on" else None
@@ -348,7 +383,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     unpack = uplink_decoder(cfg.compression)
     limits = ReplyLimits(
         message_ttl_s=f.message_ttl_s,
-        weight_cap=privacy.screening(example_cap(cfg, key, partitions)),
+        weight_cap=privacy.screening(regional.weight_cap if regional else example_cap(cfg, key, partitions)),
         unpack=unpack,
     )
     wiring = TaskWiring(
@@ -357,14 +392,24 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         node_config=node_config,
         names=names,
     )
-    strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring, secagg, distributed))
-    check_cohort(cfg, strategy, len(nodes))
+    placed = region_of_partitions(cfg.topology, len(nodes)) if simulated and has_regions(cfg.topology) else None
+    regions = regional_combine(cfg, partitions.partition_of, placed, device, secagg) if placed is not None else None
+    by_region = regions is not None and cfg.strategy.name == "fedbuff"  # FedBuff with regions as its nodes
+    if by_region:  # a region's reply weighs its sites' capped weights, each capped already
+        site_cap = limits.weight_cap
+        limits = replace(limits, weight_cap=lambda n, m, k: MAX_WEIGHT if n < 0 else site_cap(n, m, k))
+    strategy = build_strategy(cfg, StrategyParts(device, dp, limits, wiring, secagg, distributed, regions))
+    check_cohort(cfg, strategy, max(placed) + 1 if by_region and placed else len(nodes))
     streamed = streams(cfg, strategy, len(nodes), sum(len(a.data) for a in arrays.values()))
     if strategy.asynchronous:  # FedBuff folds its mean buffer itself (`FedBuff.streamed`)
         strategy.streamed = streamed and strategy.streams
     clock, fleet_summary = None, None
     if (fleet := fleet_of(cfg.fleet, cfg.stragglers)) is not None:
-        clock, fleet_summary = start_clock(cfg, fleet, grid, nodes, partitions, key, strategy.asynchronous)
+        clock, fleet_summary = start_clock(cfg, fleet, grid, nodes, partitions, key, strategy.asynchronous, placed)
+    served: Grid = clock if clock is not None else grid
+    if by_region and placed is not None and regions is not None:
+        held = clock.partitions if clock is not None else discover_partitions(grid, nodes, f.node_wait_timeout_s)
+        served = RegionGrid(served, lambda n: placed[held[n]] if n in held else None, regions, limits, names)
 
     # Nothing above wrote a file: a refused configuration leaves no results directory behind.
     if ckpt is not None and ckpt_path is not None:
@@ -379,7 +424,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
 
     run = Run(
         cfg=cfg,
-        grid=clock if clock is not None else grid,
+        grid=served,
         device=device,
         precision=precision,
         task=task,
@@ -395,14 +440,24 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         recorder=recorder,
         monitor=Monitor(task.names, cfg.monitoring.max_node_labels),
         client_config=ConfigRecord(
-            {**to_client_record(cfg), **spec_to_record(spec), ROUNDS_KEY: f.rounds, **pinned_base(cfg, model)}
-        ),  # ROUNDS_KEY: local DP plans over all rounds
+            {
+                **to_client_record(cfg),
+                **spec_to_record(spec),
+                ROUNDS_KEY: f.rounds,  # local DP plans over all rounds
+                **({PROXIMAL_MU: cfg.strategy.proximal_mu} if cfg.strategy.proximal_mu > 0 else {}),  # FedProx
+                **({DITTO_LAMBDA: cfg.strategy.ditto_lambda} if cfg.strategy.name == "ditto" else {}),  # Ditto
+                **pinned_base(cfg, model),
+                **(regional.task_config if regional else {}),  # the regions' sub-run overrides
+            }
+        ),
         ledger=ledger,
         node_keys=NodeKeys(grid.get_nodes) if ledger is not None else None,
         first_round=first_round,
         streams=streamed,
         clock=clock,
         fleet=fleet_summary,
+        region_of_partition=placed,
+        regions=regions,
     )
     run.scores = contribution_scores(cfg, test_data, lambda data, state: value_on(run, data, state))
     if cfg.attack.name != "none":

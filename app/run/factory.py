@@ -29,6 +29,7 @@ from app.config.schema import (
 )
 from app.privacy.accounting import Prescription
 from app.protocol import PARTITION_ID
+from app.regions.wan import WanCodec
 from app.run.privacy import CentralPrivacy, DistributedPrivacy, LocalPrivacy, NoPrivacy, RunPrivacy
 from app.secagg.dp import DistributedDP
 from app.secagg.ring import Ring
@@ -37,13 +38,16 @@ from app.task.data import DataSpec, partition_indices, validation_size
 from app.task.models import build_model, check_fits, freeze, load_init_weights
 from strategies.central_dp import AdaptiveClip, CentralDP, DPFedAvg, DPFedBuff, cohort_sensitivity
 from strategies.fedavg import FedAvg
-from strategies.fedbuff import FedBuff
+from strategies.fedbuff import FEDBUFF_SERVER_LR, FedBuff
 from strategies.interface import ServerStrategy
 from strategies.node_names import NodeNames
 from strategies.partitions import PartitionBinding
+from strategies.regional import RegionalCombine
 from strategies.registry import rule_class
 from strategies.replies import WeightCap
 from strategies.robust import RobustRule, RobustStrategy
+from strategies.scaffold import Scaffold
+from strategies.server_opt import DEFAULT_LR, ServerOptimizer
 from strategies.settings import ReplyLimits, Sampling, TaskWiring
 from strategies.staleness import staleness_fn
 
@@ -69,6 +73,47 @@ def global_model(cfg: Config, spec: DataSpec, probe: torch.Tensor) -> torch.nn.M
 def robust_rule(name: str, st: StrategyConfig, device: torch.device) -> RobustRule:
     """The robust rule registered as `name` (strategies/registry.py), built from strategy.*."""
     return rule_class(name).from_config(st, device)
+
+
+def regional_combine(
+    cfg: Config,
+    partition_of: Callable[[int], int | None],
+    region_of_partition: list[int],
+    device: torch.device,
+    secagg: SecAggSettings | None = None,
+) -> RegionalCombine | None:
+    """topology=regions in simulation, without central DP (whose one sum needs no grouping): the
+    regions' combine, with the inner rule (`topology.region_rule`, f = `topology.region_byzantine`)
+    and the WAN codec (`topology.wan_compression`); with `secagg` (SecAgg+ inside each region)
+    every region must be able to run a secure round with all its sites."""
+    t = cfg.topology
+    if t.name != "regions" or cfg.privacy.name.startswith("central"):
+        return None
+    inner = replace(cfg.strategy, num_byzantine=t.region_byzantine)
+    regions = max(region_of_partition) + 1
+    combine = RegionalCombine(
+        lambda node: region_of_partition[p] if (p := partition_of(node)) is not None else None,
+        regions,
+        rule=None if t.region_rule == "mean" else robust_rule(t.region_rule, inner, device),
+        wan=None if t.wan_compression == "none" else WanCodec(t.wan_compression, cfg.seed),
+        device=device,
+    )
+    sizes = {r: region_of_partition.count(r) for r in range(regions)}
+    if secagg is not None and (
+        problems := [f"region {r} ({m} sites): {why}" for r, m in sizes.items() if (why := secagg.group_problem(m))]
+    ):
+        raise ConfigError(
+            "secagg=plus runs inside each region, whose aggregator must learn only a sum of its sites' updates: "
+            + "; ".join(problems)
+            + ": put at least 2 sites (and secagg.threshold of them) in each region"
+        )
+    if problems := combine.problems(sizes):
+        raise ConfigError(
+            f"topology.region_rule={t.region_rule} with topology.region_byzantine={t.region_byzantine}: "
+            + "; ".join(problems)
+            + ": put more sites in each region, tolerate fewer faulty ones, or use topology.region_rule=mean"
+        )
+    return combine
 
 
 def central_dp(cfg: Config) -> CentralDP | None:
@@ -146,15 +191,51 @@ class StrategyParts:
     wiring: TaskWiring
     secagg: SecAggSettings | None = None  # secagg=plus
     distributed: DistributedDP | None = None  # privacy=distributed*: each node's noise and the accountant
+    regions: RegionalCombine | None = None  # topology=regions in simulation: the regions' combine
 
 
 def _fedavg(cfg: Config, parts: StrategyParts) -> FedAvg:
-    common: dict[str, Any] = {"sampling": sampling_of(cfg), "limits": parts.limits, "wiring": parts.wiring}
+    common: dict[str, Any] = {
+        "sampling": sampling_of(cfg),
+        "limits": parts.limits,
+        "wiring": parts.wiring,
+        "server_opt": server_optimizer(cfg),
+    }
     if parts.secagg is not None:
-        return SecureFedAvg(secagg=parts.secagg, dp=parts.distributed, device=parts.device, **common)
+        return SecureFedAvg(
+            secagg=parts.secagg, dp=parts.distributed, device=parts.device, regions=parts.regions, **common
+        )
     if parts.dp is None:
-        return FedAvg(device=parts.device, **common)
+        return FedAvg(device=parts.device, regions=parts.regions, **common)
+    # Central DP with regions: every client's update clipped, summed and noised once, computed as one
+    # sum; the regions' sums of clipped updates add up to the same release (docs/fleet.md#regions).
     return DPFedAvg(dp=parts.dp, poisson=cfg.privacy.poisson_sampling, device=parts.device, **common)
+
+
+def server_optimizer(cfg: Config) -> ServerOptimizer | None:
+    """strategy.server_optimizer of a synchronous strategy (None: the aggregate is the new model);
+    strategy.server_lr 0 takes the optimizer's default η."""
+    st = cfg.strategy
+    if st.server_optimizer == "none":
+        return None
+    return ServerOptimizer(
+        st.server_optimizer,
+        lr=st.server_lr or DEFAULT_LR[st.server_optimizer],
+        momentum=st.server_momentum,
+        beta1=st.server_beta1,
+        beta2=st.server_beta2,
+        tau=st.server_tau,
+    )
+
+
+def _scaffold(cfg: Config, parts: StrategyParts) -> Scaffold:
+    return Scaffold(
+        sampling=sampling_of(cfg),
+        limits=parts.limits,
+        wiring=parts.wiring,
+        device=parts.device,
+        server_opt=server_optimizer(cfg),
+    )
 
 
 def _robust(cfg: Config, parts: StrategyParts) -> RobustStrategy:
@@ -164,6 +245,8 @@ def _robust(cfg: Config, parts: StrategyParts) -> RobustStrategy:
         limits=parts.limits,
         wiring=parts.wiring,
         device=parts.device,
+        regions=parts.regions,
+        server_opt=server_optimizer(cfg),
     )
 
 
@@ -175,7 +258,7 @@ def _fedbuff(cfg: Config, parts: StrategyParts) -> FedBuff:
         "max_staleness": st.max_staleness,
         "staleness": staleness_fn(st.staleness_fn, st.staleness_a, st.staleness_b),
         "staleness_name": st.staleness_fn,
-        "server_lr": st.server_lr,
+        "server_lr": st.server_lr or FEDBUFF_SERVER_LR,
         "server_momentum": st.server_momentum,
         "sampling": sampling_of(cfg),
         # One training task may take round_timeout_s; its message lives no longer.
@@ -183,8 +266,9 @@ def _fedbuff(cfg: Config, parts: StrategyParts) -> FedBuff:
         "wiring": parts.wiring,
         "device": parts.device,
     }
-    if parts.dp is not None:  # validation allows central DP only with the mean buffer
+    if parts.dp is not None:  # validation allows central DP only with the mean buffer, no server optimizer
         return DPFedBuff(dp=parts.dp, **buffer)
+    buffer["server_opt"] = server_optimizer(cfg)
     rule = None if st.buffer_aggregator == "mean" else robust_rule(st.buffer_aggregator, st, parts.device)
     if rule is not None and st.buffer_size and (problem := rule.too_few(st.buffer_size)):
         raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
@@ -192,7 +276,15 @@ def _fedbuff(cfg: Config, parts: StrategyParts) -> FedBuff:
 
 
 _STRATEGIES: Registry[Callable[[Config, StrategyParts], ServerStrategy]] = Registry(
-    "strategy.name", STRATEGIES, {"fedavg": _fedavg, "fedbuff": _fedbuff, **dict.fromkeys(ROBUST_RULES, _robust)}
+    "strategy.name",
+    STRATEGIES,
+    {
+        "fedavg": _fedavg,
+        "ditto": _fedavg,
+        "fedbuff": _fedbuff,
+        "scaffold": _scaffold,
+        **dict.fromkeys(ROBUST_RULES, _robust),
+    },
 )
 
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from app.config.schema import Config, ConfigError, check_columns
 from app.ledger.chain import model_digest
+from app.regions.traffic import wan_bytes
 from app.run.arrivals import ReplyFacts, noted, pull_replies
 from app.run.assemble import Run, assemble
 from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
@@ -223,6 +224,40 @@ class FederatedRun:
             **({"sim_time_s": self.clock.now} if self.clock is not None else {}),
         }
 
+    def region_of(self, node: int) -> int | None:
+        """The region of a simulated node, once its partition is bound (sites placed in regions)."""
+        placed = self.parts.region_of_partition
+        partition = self.parts.partitions.partition_of(node)
+        return placed[partition] if placed is not None and partition is not None else None
+
+    def wide_area(
+        self, sent: list[tuple[int, int]], received: list[tuple[int, int]], evaluation: bool = False
+    ) -> dict[str, Any]:
+        """With the sites in regions: the round's bytes over the WAN links (`wan_bytes`), from each
+        task's and reply's (node, bytes), and, under topology=regions, each region's part
+        (`regions`); on a virtual clock the regions' updates (`evaluation`: their metrics, no
+        arrays) then cross their WAN links back (`finish_regions`). Nothing without regions."""
+        if self.parts.region_of_partition is None:
+            return {}
+        combine = self.parts.regions
+        hierarchical = self.cfg.topology.name == "regions"
+        total, up = wan_bytes(
+            self.region_of,
+            sent,
+            received,
+            ({} if evaluation or combine is None else combine.wan_bytes_up()) if hierarchical else None,
+        )
+        if self.clock is not None and hierarchical:
+            self.clock.finish_regions(up)
+        if not hierarchical or evaluation:
+            return {"wan_bytes": total}
+        if combine is None:  # central DP: one sum of clipped updates, no regional outcome to report
+            return {"wan_bytes": total}
+        regions = combine.row()
+        for region, entry in regions.items():
+            entry["wan_bytes_up"] = up.get(int(region), 0)
+        return {"wan_bytes": total, "regions": regions}
+
     # --- synchronous rounds ------------------------------------------------------
     def exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
         """Send a round's tasks and collect the replies within the round timeout (simulated
@@ -252,7 +287,10 @@ class FederatedRun:
         digest = self.ledger is not None
         if getattr(self.strategy, "secure", False):
             new, metrics, outcome = self.strategy.secure_train(  # type: ignore[attr-defined] - SecureFedAvg
-                rnd, messages, lambda stage: self.arrivals(stage, timeout)
+                rnd,
+                messages,
+                lambda stage: self.arrivals(stage, timeout),
+                self.clock.side_by_side if self.clock is not None else None,
             )
             self.secure_outcome = outcome
             return new, metrics, [ReplyFacts.of(r, False) for r in outcome.masked]  # arrays gone: summed
@@ -274,6 +312,13 @@ class FederatedRun:
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
             previous = self.arrays
             new_arrays, train_metrics, replies = self.train(rnd, messages, timeout)
+            secure = self.secure_outcome
+            if secure is None:
+                sent = [(m.metadata.dst_node_id, payload_bytes(m.content)) for m in messages]
+                received = [(r.src_node_id, r.payload_bytes) for r in replies if r.error is None]
+            else:  # each node's four stages; the masked replies' arrays are gone (summed)
+                sent, received = list(secure.bytes_down.items()), list(secure.bytes_up.items())
+            wide_area = self.wide_area(sent, received)
             client_metrics = reply_metrics(replies)
             self.privacy.record_spending(client_metrics)
             if self.privacy.spent_before_release(federated_eval):
@@ -285,7 +330,6 @@ class FederatedRun:
             if new_arrays is not None:
                 self.arrays = new_arrays
             fed_eval: MetricRecord | None = None
-            secure = self.secure_outcome
             tasks = list(messages) if secure is None else list(secure.sent)
             if federated_eval:
                 eval_msgs = list(
@@ -293,6 +337,10 @@ class FederatedRun:
                 )
                 fed_eval = strategy.aggregate_evaluate(rnd, self.exchange(eval_msgs, timeout))
                 tasks += eval_msgs
+                if wide_area:  # the model down to each region again, metrics back
+                    wide_area["wan_bytes"] += self.wide_area(
+                        [(m.metadata.dst_node_id, payload_bytes(m.content)) for m in eval_msgs], [], evaluation=True
+                    )["wan_bytes"]
             loss, metrics = self.central_eval(self.arrays) if self.evaluates(rnd) else (None, None)
             row = {
                 **self.timed_row(rnd, metrics, loss, time.time() - t0),
@@ -316,6 +364,7 @@ class FederatedRun:
                     else secure_traffic(secure, tasks[len(secure.sent) :])
                 ),
                 **({"secagg": secure_row(secure, self.strategy.sum_digest)} if secure is not None else {}),
+                **wide_area,
             }
             nodes = (
                 round_nodes(messages, replies, report, cfg.strategy.name)
@@ -360,6 +409,13 @@ class FederatedRun:
                     report.bytes_down,
                     report.bytes_up,
                     self.parts.unpack.take() if self.parts.unpack is not None else None,
+                ),
+                # sites in regions: every transfer of a version crosses a WAN link (a site's under flat,
+                # a region's own under topology=regions, whose tasks and replies are the regions')
+                **(
+                    {"wan_bytes": sum(report.bytes_down) + sum(report.bytes_up)}
+                    if self.parts.region_of_partition is not None
+                    else {}
                 ),
             }
             last = now

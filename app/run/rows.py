@@ -120,16 +120,17 @@ def secure_traffic(outcome: Outcome, evaluation: list[Message]) -> dict[str, Any
     return traffic(list(down.values()), list(outcome.bytes_up.values()))
 
 
-def secure_row(outcome: Outcome, sum_digest: str | None) -> dict[str, Any]:
+def secure_row(outcome: Outcome, sum_digest: str | dict[str, str] | None) -> dict[str, Any]:
     """The `secagg` column: the nodes whose inputs are in the sum, who left at which stage and why,
     an abort's reason, and the sha256 of the masked inputs' sum and of the unmasked sum (both also
-    in the ledger: each node's entry holds its masked input's hash, so the first can be checked)."""
+    in the ledger: each node's entry holds its masked input's hash, so the first can be checked);
+    under topology=regions both hashes per region (each region sums on its own)."""
     return {
         "survivors": outcome.survivors,
         "dropped": {str(node): why for node, why in outcome.dropped.items()},
         "aborted": outcome.aborted,
-        "masked_sum_sha256": outcome.masked_sum_digest,
-        "sum_sha256": sum_digest if outcome.total is not None else None,
+        "masked_sum_sha256": outcome.group_digests or outcome.masked_sum_digest,
+        "sum_sha256": sum_digest if outcome.aborted is None else None,
     }
 
 

@@ -80,6 +80,20 @@ class Outcome:
     sent: list[Message] = field(default_factory=list)  # every stage's messages
     bytes_down: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))  # node -> stage bytes
     bytes_up: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    group_digests: dict[str, str | None] = field(default_factory=dict)  # merged groups: each one's masked sum's
+
+    def merge(self, group: int, other: Outcome) -> None:
+        """Another secure group's outcome into this one (SecAgg+ inside regions: a group per region,
+        app/secagg/strategy.py): its stages, drops and inputs, and its masked sum's digest under its
+        group's key. Survivors, total and abort stay the caller's: it decides what the groups add up to."""
+        self.dropped.update(other.dropped)
+        self.masked += other.masked
+        self.digests.update(other.digests)
+        self.clear.update(other.clear)
+        self.sent += other.sent
+        self.bytes_down.update(other.bytes_down)  # a node is in one group
+        self.bytes_up.update(other.bytes_up)
+        self.group_digests[str(group)] = other.masked_sum_digest
 
 
 @dataclass(frozen=True)

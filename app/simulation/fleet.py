@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,28 @@ class NodeProfile:
         """When the node goes offline in (start, end), if it does."""
         starts = [a for a, _ in self.offline if start < a < end]
         return min(starts) if starts else None
+
+
+@dataclass(frozen=True)
+class WanLink:
+    """A region's wide-area link to the server (`fleet.wan_*`): bytes/s each way, one-way latency."""
+
+    downlink_bps: float
+    uplink_bps: float
+    latency_s: float
+
+
+def shared_wan(regional: NodeProfile, wan: WanLink, sites: int) -> NodeProfile:
+    """A site's path to the server under topology=flat when it sits in a region of `sites` sites
+    behind one WAN link: its own link, then its fair share of the region's (rates: the smaller,
+    as a pipelined transfer; latencies add). A fair share assumes the region's sites transfer at
+    the same time, as a synchronous round's do; it overstates a FedBuff node's wait."""
+    return replace(
+        regional,
+        downlink_bps=min(regional.downlink_bps, wan.downlink_bps / sites),
+        uplink_bps=min(regional.uplink_bps, wan.uplink_bps / sites),
+        latency_s=regional.latency_s + wan.latency_s,
+    )
 
 
 def _slowdowns_lognormal(sigma: float, n: int, seed: int) -> list[float]:

@@ -27,6 +27,12 @@ not per task. The strategy sees the clock's own message ids.
 A task whose node drops out (`fleet.completion_p`) or goes offline (`fleet.trace`) before its
 predicted finish is never run: its error reply comes back at that moment. The prediction uses
 the node's last reply's size for the upload (this task's download size before any reply).
+
+Regions (`topology=regions`, `Regions`): a node's profile is its link to its region's aggregator;
+the model first crosses the region's WAN link (latency + bytes / rate), then every member's task
+starts; once a synchronous round's member replies are in, the region's update crosses the WAN
+back (`finish_regions`, with the size the aggregator sent), and the round ends with the slowest
+region. The aggregator's own compute is not charged (a sum of a few models, milliseconds).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
 
@@ -45,7 +52,7 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.serverapp import Grid
 
 from app.config.schema import ConfigError
-from app.simulation.fleet import NodeProfile
+from app.simulation.fleet import NodeProfile, WanLink
 from strategies.keys import PARTITION_ID
 from strategies.node_text import printable
 from strategies.replies import payload_bytes
@@ -67,7 +74,36 @@ class Task:
     arrived: bool = False
 
 
-class VirtualClockGrid(Grid):
+@dataclass(frozen=True)
+class Regions:
+    """Two-level timing: the region of each partition and each region's WAN link."""
+
+    region_of_partition: list[int]
+    wan: list[WanLink]
+
+    def lead_in(self, partition: int, down_bytes: int) -> float:
+        """How long the model takes to reach `partition`'s aggregator over its region's WAN link."""
+        link = self.wan[self.region_of_partition[partition]]
+        return link.latency_s + down_bytes / link.downlink_bps
+
+
+class WrappingGrid(Grid):
+    """A Grid over another (`inner`), which keeps Flower's bookkeeping: the run, message creation."""
+
+    inner: Grid
+
+    def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
+        self.inner.set_run(run)
+
+    @property
+    def run(self):  # noqa: ANN201
+        return self.inner.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001, ANN201
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+
+class VirtualClockGrid(WrappingGrid):
     """`grid` with simulated time: `now`, replies in simulated-finish order, offline nodes hidden."""
 
     def __init__(
@@ -78,8 +114,11 @@ class VirtualClockGrid(Grid):
         work: Work,
         seed: int,
         min_nodes: int = 1,
+        regions: Regions | None = None,
     ) -> None:
         self.inner, self.profiles, self.partitions, self.work, self.seed = grid, profiles, partitions, work, seed
+        self.regions = regions
+        self.region_done: dict[int, float] = {}  # region -> when its aggregator had its last member reply
         self.min_nodes = min_nodes  # what the strategy needs online to send work
         self.now = 0.0
         self.busy_until: dict[int, float] = {}
@@ -94,16 +133,6 @@ class VirtualClockGrid(Grid):
         self._clock_id: dict[str, str] = {}  # Flower's message id -> the clock's, for tasks out
 
     # --- Grid --------------------------------------------------------------------------
-    def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
-        self.inner.set_run(run)
-
-    @property
-    def run(self):  # noqa: ANN201
-        return self.inner.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001, ANN201
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
     def _known_nodes(self) -> list[int]:
         """The simulated nodes connected (Flower's grid asks its SuperLink: at most every
         NODES_TTL_S of real time, as FedBuff asks for every task it sends)."""
@@ -205,17 +234,64 @@ class VirtualClockGrid(Grid):
         self._arrived = [e for e in self._arrived if e[3] not in ids]
         heapq.heapify(self._arrived)
         replies = []
-        for finish, _, _, mid, reply in mine:
+        self.region_done = {}
+        for finish, partition, _, mid, reply in mine:
+            region = self.regions.region_of_partition[partition] if self.regions is not None else 0
             if finish <= deadline:
                 self._release(mid, finish)
                 replies.append(reply)
+                self.region_done[region] = max(self.region_done.get(region, start), finish)
             else:
                 node = self.in_flight.pop(mid).node
                 self.busy_until[node] = finish
+                self.region_done[region] = deadline  # its aggregator waited for it until the timeout
                 log.info("virtual clock: node %s finishes at t=%.1f s, after the round's timeout", node, finish)
         if len(replies) < len(mine):
             self.now = max(self.now, deadline)
         return replies
+
+    def inject(self, reply: Message, node: int, at: float) -> str:
+        """An event of the caller's own, e.g. a region's update (FedBuff over regions: its
+        aggregator heard its last member at `now`; the update crosses the WAN until `at`): released by
+        `pull_messages` (its id wanted) in simulated-time order with every member reply. Its id."""
+        seq = next(self._seq)
+        mid = f"clock-{seq}"
+        self.in_flight[mid] = Task(node, -1, seq, self.now, at, arrived=True)
+        heapq.heappush(self._arrived, (at, -1, seq, mid, reply))
+        return mid
+
+    def wan_up(self, region: int, nbytes: int) -> float:
+        """How long `nbytes` take up `region`'s WAN link (0 without one)."""
+        if self.regions is None:
+            return 0.0
+        link = self.regions.wan[region]
+        return link.latency_s + nbytes / link.uplink_bps
+
+    @contextmanager
+    def side_by_side(self) -> Iterator[Callable[[], None]]:
+        """Groups of exchanges that run at the same time (SecAgg+ inside regions: each region's
+        stages): call the yielded `branch()` before each group, which then starts at the clock's
+        time on entry; on exit the clock stands at the latest group's end, with every group's
+        regions' last replies kept for `finish_regions`. The groups' nodes are disjoint."""
+        start, ends, done = self.now, [self.now], {}
+
+        def branch() -> None:
+            ends.append(self.now)
+            done.update(self.region_done)
+            self.now, self.region_done = start, {}
+
+        yield branch
+        branch()
+        self.now, self.region_done = max(ends), done
+
+    def finish_regions(self, bytes_up: dict[int, int]) -> None:
+        """Regions: each region that took part in the last round sends its update (`bytes_up[r]`
+        bytes; 0 or missing: latency only) over its WAN link; the round ends with the last one."""
+        if self.regions is None:
+            return
+        for region, done in self.region_done.items():
+            self.now = max(self.now, done + self.wan_up(region, bytes_up.get(region, 0)))
+        self.region_done = {}
 
     # --- the clock ---------------------------------------------------------------------
     def _profile(self, node: int) -> NodeProfile:
@@ -226,8 +302,12 @@ class VirtualClockGrid(Grid):
         node = msg.metadata.dst_node_id
         partition = self.partitions[node]
         p = self.profiles[partition]
-        start = max(self.now, self.busy_until.get(node, 0.0))
         down = payload_bytes(msg.content) if msg.has_content() else 0
+        # The model crosses the region's WAN link first; a task without arrays (a SecAgg+ key, share
+        # or unmask stage inside a region) runs between the sites and their aggregator only.
+        crosses = self.regions is not None and msg.has_content() and len(msg.content.array_records) > 0
+        lead_in = self.regions.lead_in(partition, down) if crosses else 0.0
+        start = max(self.now + lead_in, self.busy_until.get(node, 0.0))
         compute = self.work(partition, msg.metadata.message_type) / p.samples_per_s
         bound = start + p.latency_s + down / p.downlink_bps + compute
         predicted = bound + p.latency_s + self._upload_bytes.get(node, down) / p.uplink_bps

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -75,8 +76,11 @@ class DdpSteps(Steps):
         "local DDP cannot split a batch (ranks halving on their own would disagree on the number of all-reduces)"
     )
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, precision: Precision, seed: int, task: Task) -> None:
-        super().__init__(model, cfg, precision, torch.Generator().manual_seed(seed), task)
+    def __init__(
+        self, model: nn.Module, cfg: TrainConfig, precision: Precision, seed: int, task: Task, work: Work
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        super().__init__(model, cfg, precision, generator, task, work.proximal_mu, work.correction)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cuda = precision.device.type == "cuda"
         self.net = DistributedDataParallel(model, device_ids=[precision.device] if cuda else None)
@@ -103,6 +107,8 @@ class Work:
     precision: Precision
     seed: int
     scaler_state: dict[str, float | int] | None
+    proximal_mu: float = 0.0  # FedProx: every rank pulls towards the model as received
+    correction: dict[str, torch.Tensor] | None = None  # SCAFFOLD: c - c_i per parameter, the same on every rank
 
 
 def train_on_devices(
@@ -127,10 +133,13 @@ def train_on_devices(
             while not context.join():
                 pass
         except ProcessException as err:
+            said = _last_words(Path(tmp), err.error_index)
             raise RuntimeError(
                 f"local DDP training failed on rank {err.error_index} of {len(devices)} ({devices[err.error_index]}): "
-                f"{err}; the other ranks were stopped"
+                f"{err}; the other ranks were stopped" + (f"; its last output: {said}" if said else "")
             ) from err
+        finally:
+            _echo_logs(Path(tmp), len(devices))
         result = torch.load(out, weights_only=False)
     model.load_state_dict(result["state"])
     return TrainStats(**result["stats"])
@@ -146,6 +155,7 @@ def _rank_main(
     data: Examples,
     out: Path,
 ) -> None:
+    _log_to(Path(tmp) / f"rank{rank}.log")
     device = devices[rank]
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -163,15 +173,44 @@ def _rank_main(
         model.load_state_dict(state)
         model = prepare_model(model, precision)
         torch.manual_seed(work.seed)
-        steps = DdpSteps(model, work.train, precision, work.seed, Task.from_config(work.task, work.spec))
+        steps = DdpSteps(model, work.train, precision, work.seed, Task.from_config(work.task, work.spec), work)
         stats = fit(steps, data, work.scaler_state)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, asdict(stats))
         if rank == 0:
             merged = merge_stats(gathered)
             torch.save({"state": {k: v.cpu() for k, v in model.state_dict().items()}, "stats": merged}, out)
+        # No rank closes its connections while a peer may still be inside a collective: a gloo
+        # peer that sees its socket close mid-operation aborts its process (seen once in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _log_to(path: Path) -> None:
+    """Send this rank's stderr (Python's and C++'s: a gloo or NCCL abort writes there) to
+    `path`, so that the parent can name why a rank died and echo the ranks' warnings."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _last_words(tmp: Path, rank: int, lines: int = 5) -> str:
+    """The last lines rank `rank` wrote to stderr, joined on one line."""
+    path = tmp / f"rank{rank}.log"
+    if not path.exists():
+        return ""
+    tail = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(tail[-lines:])
+
+
+def _echo_logs(tmp: Path, world: int) -> None:
+    """Hand what the ranks wrote to stderr on to this process's stderr, each line under its rank."""
+    for rank in range(world):
+        path = tmp / f"rank{rank}.log"
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                sys.stderr.write(f"[ddp rank {rank}] {line}\n")
 
 
 def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -342,11 +342,24 @@ class Steps:
         precision: Precision,
         generator: torch.Generator,
         task: Task | None = None,
+        proximal_mu: float = 0.0,
+        correction: dict[str, torch.Tensor] | None = None,
+        anchor: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.model, self.cfg, self.precision, self.generator = model, cfg, precision, generator
         self.task = task or DEFAULT_TASK  # the loss `fit` and `warm_up` use, the accuracy `fit` reports
         self.net: nn.Module = model  # what the loop calls (DP-SGD: a per-example-gradient wrapper)
         self.optimizer = make_optimizer(model, cfg)
+        # FedProx (strategy.proximal_mu): every step is pulled towards `anchor` (parameter name ->
+        # tensor; default: the model as it is now, i.e. as received), Ditto's personal model
+        # towards the global one (app/task/ditto.py)
+        self.proximal_mu = proximal_mu
+        params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        if anchor is None and proximal_mu > 0:
+            anchor = {k: p.detach().clone() for k, p in params.items()}
+        self.anchor = [(params[k], a) for k, a in (anchor or {}).items() if k in params] if proximal_mu > 0 else []
+        # SCAFFOLD: parameter name -> c - c_i, added to its gradient every step (app/task/scaffold.py)
+        self.correction = [(params[k], c) for k, c in (correction or {}).items()]
         if not isinstance(cfg.batch_size, int):
             raise TypeError(f"train.batch_size={cfg.batch_size!r}: resolve 'auto' first (app.task.batch_size)")
 
@@ -379,10 +392,20 @@ class Steps:
         return model_inputs(x, self.precision)
 
     def before_step(self, scaler: torch.amp.GradScaler | None) -> None:
-        """Between backward and the optimizer step: train.grad_clip (on unscaled gradients)."""
+        """Between backward and the optimizer step, on unscaled gradients: SCAFFOLD's correction
+        c - c_i (`correction`), FedProx's pull, the
+        gradient of mu/2 ||w - w_received||^2, i.e. mu (w - w_received) (`proximal_mu`; Li et al.
+        2020 add the term to the loss: the same gradient, without a second forward pass), then
+        train.grad_clip."""
+        if scaler is not None and (self.cfg.grad_clip > 0 or self.anchor or self.correction):
+            scaler.unscale_(self.optimizer)
+        for param, c in self.correction:  # SCAFFOLD's drift correction
+            if param.grad is not None:
+                param.grad.add_(c.to(param.grad.device))
+        for param, anchor in self.anchor:  # FedProx
+            if param.grad is not None:
+                param.grad.add_(param.detach() - anchor.to(param.device), alpha=self.proximal_mu)
         if self.cfg.grad_clip > 0:
-            if scaler is not None:
-                scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
 
     def empty_step(self) -> None:
@@ -578,10 +601,14 @@ def train(
     seed: int,
     scaler_state: dict[str, float | int] | None = None,
     task: Task | None = None,
+    proximal_mu: float = 0.0,
+    correction: dict[str, torch.Tensor] | None = None,
 ) -> TrainStats:
-    """`cfg.epochs` epochs of mini-batch training with `task`'s loss (default: cross-entropy);
-    the model is updated in place."""
-    return fit(Steps(model, cfg, precision, torch.Generator().manual_seed(seed), task), data, scaler_state)
+    """`cfg.epochs` epochs of mini-batch training with `task`'s loss (default: cross-entropy),
+    with FedProx's pull towards the model as received when `proximal_mu` > 0 and SCAFFOLD's
+    `correction`; the model is updated in place."""
+    steps = Steps(model, cfg, precision, torch.Generator().manual_seed(seed), task, proximal_mu, correction)
+    return fit(steps, data, scaler_state)
 
 
 def train_stats(

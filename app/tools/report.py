@@ -35,6 +35,7 @@ from app.run.results import clock_s, read_rows, read_summary
 from app.run.tracking import flat_params, metric_names
 
 DEFAULT_TARGET = 0.95
+STUDY_FILE = "study.json"  # app/tools/study.py's, in an Optuna sweep's directory (optuna is imported only then)
 IGNORED_KEYS = ("seed", "name", "resume")  # never part of a configuration's identity
 IGNORED_PREFIXES = ("sweep.", "tracking.")
 
@@ -182,9 +183,17 @@ def run_numbers(run: Run, target: float) -> dict[str, Any]:
         **dict.fromkeys(("ledger_problem", "ledger_head", "reported_compute_s", "reported_energy_j"), None),
         "lowest_contribution_node": None,
         **run_ledger(run.path),
+        **federated_numbers(run.rows, metric),
         "error": run.error,
         "path": str(run.path),
     }
+
+
+def federated_numbers(rows: list[dict[str, Any]], metric: str) -> dict[str, float | None]:
+    """The last federated evaluation's primary metric on the nodes' own validation splits: the
+    global model's (`eval-<metric>`) and, under Ditto, the personal models' (`eval-personal-<metric>`)."""
+    last = next((r["federated_eval"] for r in reversed(rows) if r.get("federated_eval")), {}) or {}
+    return {"federated_metric": last.get(f"eval-{metric}"), "personal_metric": last.get(f"eval-personal-{metric}")}
 
 
 def _mean_std(values: Sequence[Any]) -> tuple[float | None, float | None]:
@@ -208,7 +217,8 @@ def summarize(runs: list[Run], target: float) -> tuple[list[dict[str, Any]], lis
             "config": label,
             "runs": len(done),
             "failed": sum(r["status"] == "failed" for r in group),
-            "unfinished": sum(r["status"] not in ("completed", "failed") for r in group),
+            "pruned": sum(r["status"] == "pruned" for r in group),  # an Optuna trial stopped early
+            "unfinished": sum(r["status"] not in ("completed", "failed", "pruned") for r in group),
             "seeds": " ".join(str(r["seed"]) for r in done),
             "metric": "/".join(dict.fromkeys(r["metric"] for r in group)),
         }
@@ -227,6 +237,8 @@ def summarize(runs: list[Run], target: float) -> tuple[list[dict[str, Any]], lis
         row["ledger_verified"] = sum(r["ledger"] == "verified" for r in done)
         row["ledger_broken"] = sum(r["ledger"] == "broken" for r in group)
         row["reported_compute_s_mean"] = _mean_std([r["reported_compute_s"] for r in done])[0]
+        for key in ("federated_metric", "personal_metric"):
+            row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([r[key] for r in done])
         table.append(row)
     return table, per_run
 
@@ -281,7 +293,9 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
                 [
                     config + (f" ({r['metric']})" if len(metrics) > 1 else ""),
                     str(r["runs"]),
-                    str(r["failed"]) + (f" (+{r['unfinished']} unfinished)" if r["unfinished"] else ""),
+                    str(r["failed"])
+                    + (f" (+{r['pruned']} pruned)" if r["pruned"] else "")
+                    + (f" (+{r['unfinished']} unfinished)" if r["unfinished"] else ""),
                     _pm(r["final_metric_mean"], r["final_metric_std"], scale, digits),
                     _pm(r["best_metric_mean"], r["best_metric_std"], scale, digits),
                     f"{r['reached_target']}/{r['runs']}",
@@ -313,6 +327,22 @@ def markdown(table: list[dict[str, Any]], per_run: list[dict[str, Any]], root: P
     if broken:
         lines += ["", "Ledgers that do not verify (`python -m app.ledger verify RUN` says why):", ""]
         lines += [f"- `{Path(r['path']).name}`: {r['ledger_problem']}" for r in broken]
+    federated = [r for r in table if r["federated_metric_mean"] is not None or r["personal_metric_mean"] is not None]
+    if federated:  # the nodes' own validation splits: the global model, and Ditto's personal models
+        lines += [
+            "",
+            f"Federated evaluation, last round, on the nodes' own validation splits ({metric}{unit}):",
+            "",
+            "| configuration | global model | personal models (Ditto) |",
+            "|---|---|---|",
+        ]
+        for r in federated:
+            scale, digits = (100, 1) if _percent(r["metric"]) else (1, 3)
+            config = f"`{' '.join(i for i in r['config'].split() if i not in common) or r['config']}`"
+            lines.append(
+                f"| {config} | {_pm(r['federated_metric_mean'], r['federated_metric_std'], scale, digits)} "
+                f"| {_pm(r['personal_metric_mean'], r['personal_metric_std'], scale, digits)} |"
+            )
     if plot:
         lines += ["", f"![{metric} per round and over time]({plot})"]
     return "\n".join(lines) + "\n"
@@ -413,7 +443,14 @@ def write_report(root: Path, target: float = DEFAULT_TARGET, out: Path | None = 
     _write_csv(paths["runs_csv"], per_run)
     if any(r.status == "completed" and r.rows for r in runs):
         paths["png"] = plot(runs, out / "report.png", target)
-    paths["md"].write_text(markdown(table, per_run, root, target, "report.png" if "png" in paths else ""))
+    text = markdown(table, per_run, root, target, "report.png" if "png" in paths else "")
+    if (root / STUDY_FILE).is_file():  # an Optuna sweep (hydra/sweeper=optuna): the study's section
+        from app.tools.study import study_markdown
+
+        text += "\n".join(study_markdown(root, out)) + "\n"
+        if (out / "study.png").is_file():
+            paths["study_png"] = out / "study.png"
+    paths["md"].write_text(text)
     return paths
 
 

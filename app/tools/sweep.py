@@ -18,6 +18,7 @@ one), and stops that SuperLink and everything it spawned when it ends.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,8 @@ from omegaconf import DictConfig, OmegaConf
 from app.config.compose import CONF_DIR, to_typed
 from app.config.schema import ConfigError
 from app.config.validate import validate
-from app.run.results import read_summary
+from app.run.results import read_rows, read_summary
+from app.run.tracking import metric_names
 from app.tools.processes import RUN_ID, flwr_cli, free_ports, parse_flwr_json, stop_processes, strip_colours
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ RESERVED_KEYS = ("name", "resume")  # the sweep sets them: each job is its own n
 # Where the per-job FLWR_HOMEs go (default: the temp dir, which is node-local on clusters:
 # the SuperLink's sqlite state does not belong on NFS).
 HOME_ROOT_ENV = "FEDGPU_FLWR_HOME_ROOT"
+MAX_NAME = 200  # bytes of a job directory's name (file systems take 255; the run adds files, not to the name)
+WATCH_S = 2.0  # how often a running job looks at its rows (an Optuna trial reports them)
 STATUS_WAIT_S = 60.0  # after `flwr run --stream` returns, how long the run may take to show as finished
 
 
@@ -77,9 +82,15 @@ def job_subdir(override_dirname: str) -> str:
     """A job's directory below the sweep's: its overrides (sorted by Hydra), `defaults` if none.
 
     Path separators in override values (`dataset.path=/data/x.npz`) become `_`: the job's
-    directory is also its run `name`, which must be one directory name.
+    directory is also its run `name`, which must be one directory name. A name longer than a
+    file system takes (255 bytes; many overrides, an Optuna trial's long floats) keeps its first
+    MAX_NAME bytes and a digest of the whole: still one directory per job, the same on a rerun.
     """
-    return override_dirname.replace("/", "_").replace("\\", "_") or "defaults"
+    name = override_dirname.replace("/", "_").replace("\\", "_") or "defaults"
+    if len(name.encode()) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return name.encode()[: MAX_NAME - 17].decode(errors="ignore") + "-" + digest
 
 
 OmegaConf.register_new_resolver("fedgpu_sweep_dir", sweep_dir, replace=True)
@@ -174,10 +185,17 @@ def run_status(env: dict[str, str], run_id: str, deadline: float) -> dict[str, A
 
 
 def run_in_simulation(
-    job_dir: Path, sweep_root: Path, overrides: list[str], fed_config: str, timeout_s: float, app_dir: Path = APP_DIR
+    job_dir: Path,
+    sweep_root: Path,
+    overrides: list[str],
+    fed_config: str,
+    timeout_s: float,
+    app_dir: Path = APP_DIR,
+    watch: Callable[[], str | None] | None = None,
 ) -> dict:
     """Submit the run of the app in `app_dir` with `flwr run --stream`, follow it to its end and read
-    Flower's verdict.
+    Flower's verdict. `watch`, called every few seconds while the run goes on, may stop it early
+    by returning why (an Optuna trial's pruner); the result then carries `pruned`.
 
     `flwr run --stream` exits 0 even when the ServerApp fails, so the verdict comes from the
     run's state (`finished:completed` / `finished:failed` and its details).
@@ -201,19 +219,27 @@ def run_in_simulation(
             out.write(f"\n=== {datetime.now(UTC).isoformat(timespec='seconds')} {' '.join(cmd)}\n")
             out.flush()
             proc = subprocess.Popen(cmd, env=env, cwd=app_dir, stdout=out, stderr=subprocess.STDOUT)
-            try:
-                proc.wait(timeout=None if deadline == float("inf") else max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            while proc.poll() is None:
+                try:
+                    proc.wait(timeout=max(0.1, min(WATCH_S, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if time.monotonic() >= deadline:
+                    result["error"] = f"timeout: the run did not finish within sweep.timeout_s={timeout_s:g} s"
+                elif watch is not None and (reason := watch()):
+                    result["pruned"] = reason
+                else:
+                    continue
+                proc.kill()  # the CLI; the SuperLink and the run stop with the job's FLWR_HOME below
                 proc.wait()
-                result["error"] = f"timeout: the run did not finish within sweep.timeout_s={timeout_s:g} s"
         text = strip_colours(log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1])
         match = RUN_ID.search(text)
         if match is None:
             result["error"] = result["error"] or "flwr run did not start a run: " + text.strip()[-2000:]
             return result
         result["run_id"] = int(match.group(1))
-        if result["error"] is None:
+        if result["error"] is None and "pruned" not in result:
             status = run_status(env, match.group(1), min(deadline, time.monotonic() + STATUS_WAIT_S))
             result["flwr_status"] = status.get("status")
             if status.get("status") != "finished:completed":
@@ -258,23 +284,27 @@ def run_job(cfg: DictConfig, job_dir: Path, task: list[str]) -> dict[str, Any]:
         overrides = [*app_overrides(task), f'name="{name}"', "resume=auto"]
         fed = federation_config(cfg)
         record.update(app_overrides=overrides, federation_config=fed)
+        watch = trial_watch(cfg, sweep_root, job_dir)
         write_job(job_dir, record)
-        record.update(run_in_simulation(job_dir, sweep_root, overrides, fed, float(cfg.sweep.timeout_s)))
+        record.update(run_in_simulation(job_dir, sweep_root, overrides, fed, float(cfg.sweep.timeout_s), watch=watch))
         summary = completed_summary(job_dir)
-        if record["error"] is None and summary is None:
+        if record["error"] is None and summary is None and not record.get("pruned"):
             record["error"] = "Flower reports the run completed, but it left no completed summary.json"
         if summary:
             # The run's primary metric; summaries from before configurable metrics have accuracy only.
             record["primary_metric"] = summary.get("primary_metric") or "accuracy"
             record["final_metric"] = summary.get("final_metric", summary.get("final_accuracy"))
+            record["best_metric"] = summary.get("best_metric", summary.get("best_accuracy"))
     except Exception as err:  # noqa: BLE001 - a sweep job records every failure and returns
         record["error"] = f"{type(err).__name__}: {err}"
-    record["status"] = "failed" if record["error"] else "completed"
+    record["status"] = "failed" if record["error"] else "pruned" if record.get("pruned") else "completed"
     record["duration_s"] = round(time.monotonic() - t0, 1)
     record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
     write_job(job_dir, record)
     if record["error"]:
         log.error("job %s failed: %s", job_dir.name, record["error"])
+    elif record.get("pruned"):
+        log.info("job %s %s, after %.0f s", job_dir.name, record["pruned"], record["duration_s"])
     else:
         log.info(
             "job %s completed in %.0f s: final %s %s",
@@ -284,6 +314,18 @@ def run_job(cfg: DictConfig, job_dir: Path, task: list[str]) -> dict[str, Any]:
             record.get("final_metric"),
         )
     return record
+
+
+def trial_watch(cfg: DictConfig, sweep_root: Path, job_dir: Path) -> Callable[[], str | None] | None:
+    """For a job that is an Optuna trial (`sweep.trial`, set by hydra/sweeper=optuna): report the
+    run's rows to the trial as they come, and say when its pruner stops the federation."""
+    if cfg.sweep.get("trial") is None:
+        return None
+    from app.tools.study import TrialReporter
+
+    metric = metric_names({"task": {"metrics": OmegaConf.to_container(cfg.task.metrics)}})[0]
+    reporter = TrialReporter(sweep_root, int(cfg.sweep.trial), metric)
+    return lambda: reporter.check(read_rows(job_dir))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -298,7 +340,7 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: ANN401
         root = Path(config.hydra.sweep.dir)
         jobs = [read_job(p.parent) for p in root.rglob(JOB_FILE)]
-        counts = {s: sum(j.get("status") == s for j in jobs) for s in ("completed", "failed", "running")}
+        counts = {s: sum(j.get("status") == s for j in jobs) for s in ("completed", "pruned", "failed", "running")}
         log.info("sweep %s: %s", root, ", ".join(f"{n} {s}" for s, n in counts.items() if n))
         for job in jobs:
             if job.get("status") == "failed":
