@@ -4,6 +4,7 @@ Ditto on Dirichlet label-skewed splits, each a whole federation through `flwr ru
     python bench/noniid.py                                             # digits, alpha 0.1 and 0.5, 3 seeds
     python bench/noniid.py --alphas 0.1 --seeds 42 --rounds 10         # quick
     python bench/noniid.py --runs /tmp/noniid --json docs/noniid-benchmark.json
+    python bench/noniid.py --seeds 43 44 --merge docs/noniid-benchmark-seed42.json --json ...  # add seeds
 
 Every variant runs `--nodes` simulated nodes (`client-resources-num-cpus=1`), every node training
 every round, `partition=dirichlet partition.alpha=A`, the default task and recipe, central
@@ -99,6 +100,27 @@ def figures(run_dir: Path, target: float) -> dict[str, Any]:
     }
 
 
+def load_earlier(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """An earlier --json payload, if it measured the same federation (dataset, nodes, rounds)."""
+    payload = json.loads(path.read_text())
+    for key, want in (("dataset", args.dataset), ("nodes", args.nodes), ("rounds", args.rounds)):
+        have = payload.get(key, "digits" if key == "dataset" else None)
+        if have != want:
+            raise SystemExit(
+                f"--merge {path}: its {key} is {have}, this run's {want}; tables of different federations do not merge"
+            )
+    return payload
+
+
+def merge(results: dict[str, dict[str, list[dict[str, Any]]]], earlier: dict[str, Any]) -> None:
+    """Add the earlier runs of the variants and alphas run here, where this run lacks their seed."""
+    for variant, by_alpha in results.items():
+        for alpha, runs in by_alpha.items():
+            have = {r["seed"] for r in runs}
+            extra = [r for r in earlier.get(variant, {}).get(alpha, []) if r["seed"] not in have]
+            runs[:0] = sorted(extra, key=lambda r: r["seed"])
+
+
 def _stat(values: list[float | None]) -> tuple[float | None, float | None]:
     xs = [v for v in values if v is not None]
     if not xs:
@@ -144,7 +166,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=0, help="seconds per run (0: no limit)")
     parser.add_argument("--runs", type=Path, default=None, help="keep run directories here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="earlier --json files (same dataset, nodes, rounds) whose runs join the table; seeds run here win",
+    )
     args = parser.parse_args()
+    earlier = [load_earlier(path, args) for path in args.merge]  # refused before any run starts
     args.runs = (args.runs or Path(tempfile.mkdtemp(prefix="noniid-bench-"))).resolve()
     if args.runs == ROOT or ROOT in args.runs.parents:
         parser.error(f"--runs {args.runs} is inside the app directory, which `flwr run` packs")
@@ -178,6 +208,8 @@ def main() -> None:
                     f"federated {found['federated_global']} / personal {found['federated_personal']}",
                     flush=True,
                 )
+    for payload in earlier:
+        merge(results, payload["results"])
     print("\n" + table(results, args.target) + "\n")
     for variant, by_alpha in results.items():
         for alpha, runs in by_alpha.items():
@@ -198,6 +230,10 @@ def main() -> None:
             "dataset": args.dataset,
             "variants": {v: VARIANTS[v] for v in args.variants},
             "extra_overrides": args.extra,
+            "merged": [
+                {"file": str(path), "app": e["app"], "date": e["date"]}
+                for path, e in zip(args.merge, earlier, strict=True)
+            ],
             "results": results,
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
