@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -31,12 +32,14 @@ from app.protocol import (
     BATCH_SIZE,
     CONFIG,
     DATA_PATH,
+    DEVICE_S,
     DITTO_LAMBDA,
     DOWNLINK,
     ENCODE_S,
     EVAL_LOSS,
     EVAL_PREFIX,
     FROZEN,
+    GPU_UTIL_MEAN_PCT,
     LEDGER_ON,
     METRICS,
     MICRO_BATCH_SIZE,
@@ -62,6 +65,11 @@ from app.protocol import (
     TASK,
     TRAIN_METRICS,
     WALL_TIME_S,
+    WORK,
+    WORK_KEY,
+    WORK_KEY_ENV,
+    WORK_NONCE,
+    WORK_RUN,
     ClientSettings,
 )
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
@@ -443,6 +451,7 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
     mu = float(job.record.get(PROXIMAL_MU, 0.0))  # FedProx (strategy.proximal_mu; refused with local DP)
     scaffold = scaffold_start(msg, context, job)  # strategy=scaffold: (c, c_i, the correction, its file)
     correction = scaffold[2] if scaffold else None
+    cpu_started = time.process_time()
     with GpuTelemetry(job.precision.device, settings.train.telemetry_interval_s) as telemetry:
         if job.local_dp:
             from app.privacy.accounting import history_key
@@ -488,6 +497,9 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
         **telemetry.metrics(),
         **dp_metrics,
     }
+    util = metrics.get(GPU_UTIL_MEAN_PCT)
+    busy = stats.wall_time_s * float(util) / 100 if isinstance(util, float) else time.process_time() - cpu_started
+    metrics[DEVICE_S] = busy
     if not job.local_dp or settings.privacy.report_exact:
         # Local DP: exact statistics of the private batches, which no epsilon covers (docs/privacy.md).
         metrics |= dict(zip(TRAIN_METRICS, (stats.loss, stats.accuracy, stats.samples_per_s), strict=True))
@@ -532,8 +544,48 @@ def train_handler(msg: Message, context: Context) -> Message:
         job, state, metrics, seed = trained(msg, context)
         record, arrays = job.record, reply_arrays(job, state, context, seed, metrics)
     remember_reply(arrays, record, context)
-    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics), **about_node(context)})
+    content = RecordDict(
+        {
+            ARRAYS: arrays,
+            METRICS: MetricRecord(metrics),
+            **about_node(context),
+            **work_record(record, context, arrays, metrics),
+        }
+    )
     return Message(content=content, reply_to=msg)
+
+
+def work_key_path(context: Context) -> str | None:
+    """This node's work key: node config `work-key`, else (simulation, where node config is Flower's)
+    the FEDGPU_WORK_KEY environment variable; `{partition-id}` in it becomes the node's partition."""
+    path = str(context.node_config.get(WORK_KEY, "") or os.environ.get(WORK_KEY_ENV, ""))
+    if not path:
+        return None
+    return path.replace("{partition-id}", str(context.node_config.get(PARTITION_ID, "")))
+
+
+def work_record(
+    record: dict, context: Context, arrays: ArrayRecord, metrics: dict[str, Any]
+) -> dict[str, ConfigRecord]:
+    """With a work key, the reply's signed record of the work behind `arrays` (app/ledger/work.py):
+    the task's run and nonce, this node, the reply's counts and seconds and the arrays' sha256."""
+    if (path := work_key_path(context)) is None or REGION_SUPERLINK in context.node_config:
+        return {}
+    from app.ledger.work import load_private_key, sign_work  # imported here: most nodes sign nothing
+
+    claims = {
+        "run": str(record.get(WORK_RUN, "")),
+        "nonce": str(record.get(WORK_NONCE, "")),
+        "step": int(record.get(SERVER_ROUND, 0)),
+        "task": int(record.get(TASK, 0)),
+        "node": int(context.node_id),
+        "examples": float(metrics.get(NUM_EXAMPLES, 0)),
+        "steps": int(metrics.get(STEPS, 0)),
+        "wall_s": float(metrics.get(WALL_TIME_S, 0.0)),
+        "device_s": float(metrics.get(DEVICE_S, 0.0)),
+        "arrays_sha256": arrays_digest(arrays),
+    }
+    return {WORK: ConfigRecord(sign_work(load_private_key(path), claims))}
 
 
 # secagg=plus (app/secagg/node.py): the four stages of SecAgg+, the third one training.

@@ -59,6 +59,13 @@ LEDGER_ON = "ledger"
 RECEIPT_STEP = "ledger-receipt-step"
 RECEIPT_HASH = "ledger-receipt-hash"
 RECEIPT_REPLY = "ledger-receipt-reply-sha256"
+# signed work records (ledger.work_keys, app/ledger/work.py): a node's key (node_config, a PEM path; in
+# simulation the FEDGPU_WORK_KEY environment variable), the task's run and nonce, the reply's record
+WORK_KEY = "work-key"
+WORK_KEY_ENV = "FEDGPU_WORK_KEY"
+WORK_RUN = "work-run"
+WORK_NONCE = "work-nonce"
+WORK = "work"  # a training reply's ConfigRecord: record (canonical JSON) and signature
 
 # secagg=plus (app/secagg/): the ConfigRecord of each stage's task and reply, and the four message
 # types (`<category>.<action>`, routed by the ClientApp's named handlers). A training task's record
@@ -101,6 +108,9 @@ SAMPLES_PER_S = "samples-per-s"  # training throughput
 TRAIN_METRICS = (TRAIN_LOSS, TRAIN_ACCURACY, SAMPLES_PER_S)  # left out under local DP unless report_exact
 WALL_TIME_S = "wall-time-s"  # the node's training time (the ledger's reported compute)
 STEPS = "steps"  # optimizer steps taken
+# seconds the device was busy training: NVML's mean utilisation x the training time on a GPU, else the
+# process's CPU seconds while it trained (what a signed work record states: app/ledger/work.py)
+DEVICE_S = "device-s"
 BATCH_SIZE = "batch-size"  # train.batch_size, `auto` resolved for this node
 OOM_RETRIES = "oom-retries"  # batches redone in micro-batches after an out-of-memory error
 MICRO_BATCH_SIZE = "micro-batch-size"  # the micro-batch the loop ended with: only when OOM_RETRIES > 0
@@ -140,6 +150,7 @@ REPLY_METRICS = frozenset(
         *TRAIN_METRICS,
         WALL_TIME_S,
         STEPS,
+        DEVICE_S,
         BATCH_SIZE,
         OOM_RETRIES,
         MICRO_BATCH_SIZE,

@@ -5,6 +5,7 @@ key pairs and the `flwr` CLI's connection entry.
     python scripts/credentials.py node-keys --out keys --names lab-a lab-b lab-c
     python scripts/credentials.py superexec-secret --out certs/superexec.secret
     python scripts/credentials.py ledger-key --out certs
+    python scripts/credentials.py work-keys --out keys --names lab-a lab-b lab-c
     python scripts/credentials.py flwr-config --name cloud --address superlink.example.org:9092 \
         --root-certificates certs/ca.crt
 
@@ -14,7 +15,9 @@ superlink.crt --ssl-keyfile superlink.key`); the certificate's subject alternati
 names are exactly the DNS names and IPs given, which is what clients check. `node-keys`
 writes ECDSA P-384 key pairs in OpenSSH format (`<name>` and `<name>.pub`), the kind
 `flower-supernode --auth-supernode-private-key` loads and `flwr supernode register
-<name>.pub <connection>` registers. `superexec-secret` writes the shared secret with
+<name>.pub <connection>` registers. `work-keys` writes each site's key for signing its work
+records (`<name>.work.key`, node config `work-key`) and its public half (`<name>.work.pub`, which
+the server's `ledger.work_keys` directory registers; docs/ledger.md#signed-work-records). `superexec-secret` writes the shared secret with
 which the SuperLink (`--isolation process --superexec-auth-secret-file`) accepts only
 its own `flower-superexec` on the Runtime API that shares the public port. `flwr-config` adds a `[superlink.<name>]` entry to
 `$FLWR_HOME/config.toml` (default ~/.flwr) so that `flwr run . <name>` reaches it.
@@ -164,6 +167,27 @@ def make_ledger_key(out: Path) -> tuple[Path, Path]:
     return private_path, public_path
 
 
+def make_work_keys(out: Path, names: Sequence[str]) -> list[tuple[Path, Path]]:
+    """ECDSA P-384 key pairs in PEM that sites sign their work records with: (`<name>.work.key`,
+    `<name>.work.pub`) per name. Separate from the SuperNode's key: that one authenticates the
+    node to the SuperLink, this one signs what the site is paid for, and either can be replaced
+    without the other."""
+    pairs = []
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise ValueError(f"site name {name!r}: use letters, digits, '.', '_' or '-' (it becomes a file name)")
+        private_path, public_path = out / f"{name}.work.key", out / f"{name}.work.pub"
+        _refuse_symlinks(private_path, public_path)
+        key = ec.generate_private_key(ec.SECP384R1())
+        _write(private_path, _pem_key(key), private=True)
+        public = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        _write(public_path, public)
+        pairs.append((private_path, public_path))
+    return pairs
+
+
 def make_superexec_secret(path: Path) -> Path:
     """32 random bytes, hex-encoded (Flower reads the file as raw bytes: any content works,
     text survives copy and paste between hosts), readable by the owner only. An existing
@@ -230,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     keys = sub.add_parser("node-keys", help="ECDSA P-384 key pairs for SuperNodes")
     keys.add_argument("--out", type=Path, required=True)
     keys.add_argument("--names", nargs="+", required=True)
+    work = sub.add_parser("work-keys", help="ECDSA P-384 key pairs with which sites sign their work records")
+    work.add_argument("--out", type=Path, required=True)
+    work.add_argument("--names", nargs="+", required=True)
     ledger = sub.add_parser("ledger-key", help="the key pair that signs the contribution ledger")
     ledger.add_argument("--out", type=Path, required=True)
     secret = sub.add_parser("superexec-secret", help="the SuperLink <-> SuperExec shared secret")
@@ -239,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg.add_argument("--address", required=True, help="HOST:PORT of the SuperLink")
     cfg.add_argument("--root-certificates", type=Path, default=None, help="the CA certificate (omit: insecure)")
     cfg.add_argument("--flwr-home", type=Path, default=Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")))
-    for writer in (tls, keys, ledger, secret):
+    for writer in (tls, keys, work, ledger, secret):
         writer.add_argument(
             "--allow-in-repo", action="store_true", help="write into a git work tree even if not ignored"
         )
@@ -253,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "node-keys":
             for private, public in make_node_keys(args.out, args.names):
                 print(f"{private} (private: only for that SuperNode)  {public} (register it)")
+        elif args.command == "work-keys":
+            for private, public in make_work_keys(args.out, args.names):
+                print(f"{private} (private: that site's node config work-key)  {public} (into ledger.work_keys)")
         elif args.command == "ledger-key":
             private, public = make_ledger_key(args.out)
             print(f"{private} (private: the ServerApp's ledger.signing_key)  {public} (give it to the members)")

@@ -439,6 +439,8 @@ class Deployment:
         if self.node_configs:
             return self.node_configs[i]
         name = f'name="node-{i}"'
+        if self.secure:  # its key for signed work records (docs/ledger.md#signed-work-records)
+            name += f' work-key="{self.work_key(f"node-{i}")}"'
         if self.data_paths:
             return f'{name} data-path="{self.data_paths[i]}"'
         return f"{name} partition-id={i} num-partitions={self.num_nodes}"
@@ -450,6 +452,21 @@ class Deployment:
             return private, private.with_name(f"{name}.pub")
         ((private, public),) = credentials.make_node_keys(self.creds / "keys", [name])
         return private, public
+
+    @property
+    def work_keys(self) -> Path:
+        """The registered sites' public work keys: a run's `ledger.work_keys`."""
+        return self.creds / "work-keys"
+
+    def work_key(self, name: str) -> Path:
+        """Node `name`'s private work key (beside its SuperNode key), made on first use and kept after;
+        its public half goes into `work_keys`."""
+        private = self.creds / "keys" / f"{name}.work.key"
+        if not private.exists():
+            ((private, public),) = credentials.make_work_keys(self.creds / "keys", [name])
+            self.work_keys.mkdir(parents=True, exist_ok=True)
+            (self.work_keys / public.name).write_bytes(public.read_bytes())
+        return private
 
     def spawn_node(self, name: str, port: int, i: int, register_key: bool) -> tuple[subprocess.Popen, Path]:
         """A SuperNode for data `i`; when secure, with its own key pair (registered or not)."""
@@ -586,6 +603,8 @@ class Deployment:
                 f"submit a run:  FLWR_HOME={self.root / 'cli'} flwr run {REPO} {CONNECTION} --stream "
                 f"--run-config \"overrides='{submit}'\""
             )
+            if self.secure and self.node_configs is None:
+                lines.append(f"  signed work records (docs/ledger.md): add ledger.work_keys={self.work_keys} to it")
         return "\n".join(lines)
 
     def close(self) -> None:

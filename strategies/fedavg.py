@@ -387,6 +387,7 @@ class FedAvg(Strategy):
             sent=sent,
             weight_cap=self.limits.weight_cap,
             unpack=self.limits.unpack,
+            check=self.limits.check,
             base=self._global,
             names=self.wiring.names,
         )
@@ -436,6 +437,7 @@ class FedAvg(Strategy):
             sent=sent,
             weight_cap=self.limits.weight_cap,
             unpack=self.limits.unpack,
+            check=self.limits.check,
             base=self._global,
         )
         new = self.fold_models(server_round, _released(valid), screened)

@@ -466,6 +466,7 @@ class FedBuff(Strategy):
                 node=node,
                 weight_cap=self.limits.weight_cap,
                 unpack=self.limits.unpack,
+                check=self.limits.check,
                 base=base,
                 names=self.wiring.names,
             )

@@ -70,6 +70,9 @@ class Downlink(Protocol):
 
 
 WeightCap = Callable[[int, MetricRecord, str], float]
+# (the training reply, the node its task went to) -> None, or InvalidReply: a run's own check of a reply
+# beyond its shape and counts (signed work records: app/run/work.py), before anything of it is used
+ReplyCheck = Callable[[Message, int], None]
 """(node id, the reply's metrics, MessageType.TRAIN or .EVALUATE) -> the most examples
 that reply may count for. It may raise InvalidReply (a contradictory partition claim)."""
 
@@ -254,17 +257,21 @@ def screen_reply(
     unpack: Unpack | None = None,
     base: TensorDict | None = None,
     names: NodeNames | None = None,
+    check: ReplyCheck | None = None,
 ) -> ValidReply:
     """Validate one reply; `specs=None` checks metrics only (evaluation replies).
 
     `node` is the node the task was sent to (default: the reply's sender); its
     `weight_cap` bounds the claimed example count. `unpack` and `base`: see check_arrays.
     `names` keeps the name the reply claims for its node, whatever the screening finds (its
-    `wire.NODE` record is read for that alone: a reply's ConfigRecords are otherwise ignored).
+    `wire.NODE` record is read for that alone: a reply's ConfigRecords are otherwise ignored, but
+    by `check`, which sees the whole reply first).
     """
     if msg.has_error():
         raise InvalidReply(error_text(msg.error))
     node = msg.metadata.src_node_id if node is None else node
+    if check is not None:
+        check(msg, node)
     content = msg.content
     if names is not None:
         names.hear(node, content)
@@ -294,6 +301,7 @@ def screen_each(
     weight_cap: WeightCap | None = None,
     unpack: Unpack | None = None,
     base: TensorDict | None = None,
+    check: ReplyCheck | None = None,
 ) -> Iterator[ValidReply]:
     """Screen replies one at a time as they come: each valid one is added to `out.valid` and
     yielded, each rejection logged into `out.rejected`. A streamed aggregate folds each yielded
@@ -316,6 +324,7 @@ def screen_each(
                 unpack=unpack,
                 base=base,
                 names=out.names,
+                check=check,
             )
         except InvalidReply as err:
             out.rejected.append(Rejection(node, str(err)))
@@ -337,10 +346,11 @@ def screen_replies(
     unpack: Unpack | None = None,
     base: TensorDict | None = None,
     names: NodeNames | None = None,
+    check: ReplyCheck | None = None,
 ) -> Screened:
     """Split replies into valid ones and logged rejections (`screen_each`, all gathered)."""
     out = Screened(names=names)
-    for _ in screen_each(replies, specs, out, weight_key, check_finite, sent, weight_cap, unpack, base):
+    for _ in screen_each(replies, specs, out, weight_key, check_finite, sent, weight_cap, unpack, base, check):
         pass
     return out
 

@@ -14,7 +14,7 @@ from typing import Any
 from flwr.app import ArrayRecord
 
 from strategies.node_names import NodeNames
-from strategies.replies import Downlink, Unpack, WeightCap
+from strategies.replies import Downlink, ReplyCheck, Unpack, WeightCap
 
 # (node id, the connected node ids) -> keys merged into that node's copy of a training task's
 # ConfigRecord (local DP's accountant history, the ledger's receipt). The connected ids are read
@@ -52,11 +52,13 @@ class ReplyLimits:
     weight_cap: (node id, metrics, message type) -> the most examples a reply may count for
     (None: `replies.MAX_WEIGHT` only); counts are claims (strategies/replies.py).
     unpack: a compressed uplink's decoder (None: replies carry the model as it is).
+    check: the run's own check of each training reply (signed work records), None: none.
     """
 
     message_ttl_s: float = 3600.0
     weight_cap: WeightCap | None = None
     unpack: Unpack | None = None
+    check: ReplyCheck | None = None
 
 
 @dataclass(frozen=True)

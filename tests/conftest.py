@@ -181,6 +181,11 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_a_restarted_node_gets_the_whole_model_and_trains_again",
     },
     "test_report": {"test_report_on_real_runs_and_on_a_single_run_dir"},
+    "test_work_records": {
+        "test_a_sign_flipper_excluded_by_multikrum_earns_nothing",
+        "test_free_riders_with_valid_signatures_earn_nothing_under_any_rule",
+        "test_flwr_run_with_a_key_per_simulated_node",
+    },
     "test_local_deployment": {
         "test_down_stops_exactly_what_up_started_and_never_a_process_that_merely_names_the_state_directory"
     },

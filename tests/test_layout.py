@@ -46,6 +46,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "app/client_app.py": frozenset(
         {
             "app/compression/",
+            "app/ledger/",
             "app/privacy/",
             "app/protocol.py",
             "app/regions/",

@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 
 from app.ledger.chain import LEDGER_FILE, read_entries
+from app.ledger.verify import verify_run
 from app.tools.processes import free_ports, kill_matching, parse_flwr_json, processes_under, stop_processes
 from tests.helpers import load_script
 
@@ -280,7 +281,8 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
         run = fed.submit(
             # Round 1 starts two fresh ClientApp processes (torch imports): ~15 s idle on two cores,
             # more under load. The killed node's round-2 task is given up after the round timeout.
-            "federation.rounds=4 federation.round_timeout_s=45 federation.round_wait_timeout_s=240 train.epochs=1",
+            "federation.rounds=4 federation.round_timeout_s=45 federation.round_wait_timeout_s=240 train.epochs=1 "
+            f"ledger.work_keys={fed.creds / 'work-keys'}",  # each site signs its work (docs/ledger.md)
             out_root=tmp_path / "results",
         )
         wait_until(run.metrics, 180.0, "round 1 in metrics.jsonl", interval=0.5)
@@ -321,6 +323,11 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
     keys = {fed.node_ids[i]: _ssh_fingerprint(fed.creds / "keys" / f"node-{i}.pub") for i in range(2)}
     records = [n for e in read_entries(Path(summary["run_dir"]) / LEDGER_FILE) for n in e["nodes"]]
     assert len(records) >= 6 and all(n["node_key"] == keys[n["node_id"]] for n in records), records
+    # Each applied update carries its site's signed work record (the key `up` made beside the
+    # SuperNode's), also after the restart; `verify` checks them with the keys the run copied.
+    applied = [n for n in records if n["outcome"] == "applied"]
+    assert len(applied) >= 6 and all(n["work"]["site"] == f"node-{fed.node_ids.index(n['node_id'])}" for n in applied)
+    assert verify_run(Path(summary["run_dir"])) == []
 
 
 def test_up_right_after_a_node_crash_waits_out_the_old_session_and_the_node_rejoins(tmp_path: Path) -> None:

@@ -280,6 +280,11 @@ class LedgerConfig:
     signing_key: str | None = (
         None  # PEM private key: <run>/ledger.sig signs the head (scripts/credentials.py ledger-key)
     )
+    # Signed work records (docs/ledger.md#signed-work-records): a directory of the sites' registered
+    # public keys, <site>.work.pub (scripts/credentials.py work-keys); each training reply must carry
+    # a record signed by one of them (work_required), or may (false: one without earns nothing)
+    work_keys: str | None = None
+    work_required: bool = True
 
 
 @dataclass(unsafe_hash=True)

@@ -187,6 +187,15 @@ def validate(cfg: Config) -> Config:
         )
         p.require(led.shapley_tolerance >= 0, "ledger.shapley_tolerance", led.shapley_tolerance, "must be >= 0")
         p.require(led.validation_examples >= 1, "ledger.validation_examples", led.validation_examples, "must be >= 1")
+    if led.work_keys:
+        p.require(led.name == "on", "ledger.work_keys", led.work_keys, "the records go into the ledger: set ledger=on")
+        p.require(
+            cfg.secagg.name == "none",
+            "ledger.work_keys",
+            led.work_keys,
+            "under secagg=plus the server folds masked inputs in SecAgg+'s own stages, which do not check work "
+            "records; use secagg=none, or ledger.work_keys=null",
+        )
     m = cfg.monitoring
     p.require(0 <= m.prometheus_port <= 65535, "monitoring.prometheus_port", m.prometheus_port, "0 (off) or a TCP port")
     p.require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")

@@ -1,5 +1,5 @@
-"""python -m app.ledger verify RUN_DIR [--public-key ledger.pub] | report RUN_DIR
-| receipts RUN_DIR (--node ID | --check FILE) [--keep]"""
+"""python -m app.ledger verify RUN_DIR [--public-key ledger.pub] [--work-keys DIR] | report RUN_DIR
+| receipts RUN_DIR (--node ID | --check FILE) [--keep] | settle RUN_DIR --pool AMOUNT --rule RULE"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from app.ledger.chain import LEDGER_FILE, read_entries, verify_chain
 from app.ledger.receipts import check_receipts, node_receipts, nodes_in, read_lines
+from app.ledger.settle import RULES, SettlementError, write_settlement
 from app.ledger.totals import write_report
 from app.ledger.verify import verify_run
 
@@ -51,19 +52,36 @@ def receipts(run_dir: Path, node: int | None, check: Path | None, keep: bool) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.ledger", description="Check or total a run's ledger.jsonl.")
-    parser.add_argument("command", choices=("verify", "report", "receipts"))
+    parser.add_argument("command", choices=("verify", "report", "receipts", "settle"))
     parser.add_argument("run_dir", type=Path, help="the run's results directory (holds ledger.jsonl)")
     parser.add_argument("--public-key", type=Path, help="verify: the PEM public key ledger.sig must match")
     parser.add_argument("--node", type=int, help="receipts: the node id (else the one in --check's file)")
     parser.add_argument("--check", type=Path, help="receipts: the site's ledger-receipts-run<id>.jsonl to check")
     parser.add_argument("--keep", action="store_true", help="receipts: append the receipts --check's file lacks")
+    parser.add_argument(
+        "--work-keys", type=Path, help="verify: the sites' <site>.work.pub keys (default: the run's work_keys/)"
+    )
+    parser.add_argument("--pool", type=float, help="settle: the amount to pay out")
+    parser.add_argument("--rule", choices=RULES, default="work", help="settle: what a step earns by (docs/ledger.md)")
+    parser.add_argument("--blend", type=float, default=0.5, help="settle --rule blend: the work share (0-1)")
     args = parser.parse_args(argv)
+    if args.command == "settle":
+        if args.pool is None:
+            parser.error("settle needs --pool AMOUNT")
+        try:
+            table, csv_path, json_path = write_settlement(args.run_dir, args.pool, args.rule, args.blend)
+        except SettlementError as err:
+            print(f"ledger: {err}", file=sys.stderr)
+            return 1
+        print(table)
+        print(f"\nCSV: {csv_path}\nJSON: {json_path}")
+        return 0
     if args.command == "receipts":
         if args.node is None and args.check is None:
             parser.error("receipts needs --node or --check")
         return receipts(args.run_dir, args.node, args.check, args.keep)
     if args.command == "verify":
-        problems = verify_run(args.run_dir, args.public_key)
+        problems = verify_run(args.run_dir, args.public_key, args.work_keys)
         for problem in problems:
             print(f"ledger: {problem}", file=sys.stderr)
         if not problems:

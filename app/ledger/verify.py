@@ -6,6 +6,8 @@
 - its config: `config.yaml` hashes to the `config_sha256` the last entry was recorded under;
 - its signature (with the operator's public key): `ledger.sig` signs this head and count, this
   run's id and config, after the last entry, as the run's final (sealed) signature;
+- the signed work records (`ledger.work_keys`), with the keys the run copied into `work_keys/`
+  (or others given): each verifies, names its run and node, signs the reply the entry records, once;
 - the models: `model_final.pt` hashes to the last entry's `model_after`, and `checkpoint.pt` to
   the `model_after` of the step it was saved after.
 """
@@ -19,11 +21,15 @@ import torch
 
 from app.ledger.chain import CONFIG_FILE, LEDGER_FILE, file_digest, model_digest, read_entries, verify_chain
 from app.ledger.signing import check_signature
+from app.ledger.work import check_entries, load_public_keys
+
+WORK_KEYS = "work_keys"  # the registered public keys a run with ledger.work_keys copied (app/run/work.py)
 
 
-def verify_run(run_dir: Path, public_key: Path | None = None) -> list[str]:
+def verify_run(run_dir: Path, public_key: Path | None = None, work_keys: Path | None = None) -> list[str]:
     """The problems found (empty: the ledger holds), each naming the entry or file concerned;
-    with `public_key`, ledger.sig must sign the chain's head with the matching private key."""
+    with `public_key`, ledger.sig must sign the chain's head with the matching private key;
+    `work_keys`: the sites' public keys to check work records with (default: the run's copy)."""
     run_dir = Path(run_dir)
     path = run_dir / LEDGER_FILE
     if not path.exists():
@@ -58,6 +64,13 @@ def verify_run(run_dir: Path, public_key: Path | None = None) -> list[str]:
         )
     if public_key is not None:
         problems += check_signature(run_dir, public_key, entries, config, summary_status)
+    signed = any("work" in n for e in entries for n in e.get("nodes", []))
+    keys_dir = work_keys or run_dir / WORK_KEYS
+    if signed or work_keys is not None:
+        try:
+            problems += check_entries(entries, load_public_keys(keys_dir))
+        except ValueError as err:
+            problems.append(f"work records cannot be checked: {err}")
     final = run_dir / "model_final.pt"
     if entries and final.exists():
         state = torch.load(final, map_location="cpu", weights_only=True)

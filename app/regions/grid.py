@@ -156,6 +156,7 @@ class RegionGrid(WrappingGrid):
             sent=task.sites,
             weight_cap=self.limits.weight_cap,
             unpack=self.limits.unpack,
+            check=self.limits.check,
             base=base,
             names=self.names,
         )

@@ -29,6 +29,7 @@ from app.config.schema import Config, ConfigError, FleetConfig
 from app.ledger.chain import Ledger
 from app.ledger.nodes import NodeKeys
 from app.ledger.signing import load_signing_key
+from app.ledger.work import WorkChecks
 from app.protocol import (
     BASE_DIGEST,
     DITTO_LAMBDA,
@@ -64,6 +65,7 @@ from app.run.memory import streams
 from app.run.monitoring import Monitor
 from app.run.privacy import RunPrivacy
 from app.run.results import RunRecorder, new_run_dir
+from app.run.work import keep_keys, reply_check, with_nonces, work_checks
 from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles, shared_wan
 from app.simulation.local_grid import InProcessGrid
@@ -138,6 +140,7 @@ class Run:
     client_config: ConfigRecord  # one live record: FedBuff copies it into every task
     ledger: Ledger | None = None
     node_keys: NodeKeys | None = None
+    work: WorkChecks | None = None  # signed work records (ledger.work_keys): checked, then into the ledger
     scores: RoundScores | None = None
     clock: VirtualClockGrid | None = None
     fleet: dict[str, Any] | None = None  # summary.json's fleet entry
@@ -380,11 +383,15 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     receipts = Receipts() if cfg.ledger.name == "on" else None
     if receipts is not None:
         node_config = receipts.around(node_config)
+    work = work_checks(cfg.ledger) if cfg.ledger.name == "on" else None  # signed work records
+    if work is not None:
+        node_config = with_nonces(work, node_config)
     unpack = uplink_decoder(cfg.compression)
     limits = ReplyLimits(
         message_ttl_s=f.message_ttl_s,
         weight_cap=privacy.screening(regional.weight_cap if regional else example_cap(cfg, key, partitions)),
         unpack=unpack,
+        check=reply_check(work) if work is not None else None,
     )
     wiring = TaskWiring(
         frozen=None if cfg.model.name == "hf" else model.frozen,  # hf: every node builds the base; its digest travels
@@ -421,6 +428,9 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     ledger = open_ledger(cfg, recorder, first_round)
     if receipts is not None:
         receipts.ledger = ledger
+    if work is not None and ledger is not None:
+        work.run = ledger.run_id
+        keep_keys(cfg.ledger, recorder.run_dir)
 
     run = Run(
         cfg=cfg,
@@ -452,6 +462,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
         ),
         ledger=ledger,
         node_keys=NodeKeys(grid.get_nodes) if ledger is not None else None,
+        work=work,
         first_round=first_round,
         streams=streamed,
         clock=clock,

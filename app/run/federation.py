@@ -32,6 +32,7 @@ from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
 from app.run.ledger_entries import attach_scores, round_nodes, secure_nodes, version_nodes
 from app.run.results import read_summary
 from app.run.rows import reply_metrics, reported, round_row, secure_row, secure_traffic, traffic, version_row
+from app.run.work import attach
 from app.secagg.server import Outcome
 from app.task.training import evaluate
 from strategies.central_dp import PrivacyBudgetExhausted
@@ -177,6 +178,8 @@ class FederatedRun:
         state = self.full_state(self.arrays)  # hashed for the ledger and checkpointed: built once
         if self.ledger is not None:  # before the checkpoint: a resume drops entries past it
             self.parts.node_keys.name(nodes)
+            if self.parts.work is not None:
+                attach(self.parts.work, nodes)
             before, self.model_digest = self.model_digest, model_digest(state)
             entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
             if "secagg" in row:  # a secure round: the survivors and the sums' hashes, no per-node weights
