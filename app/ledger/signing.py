@@ -35,14 +35,17 @@ def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
-def load_signing_key(path: str | Path) -> ec.EllipticCurvePrivateKey:
-    """The PEM private key at `path`, or ValueError saying what is wrong with it."""
+def load_signing_key(
+    path: str | Path, setting: str = "ledger.signing_key", made_by: str = "ledger-key"
+) -> ec.EllipticCurvePrivateKey:
+    """The PEM private key at `path` (the value of `setting`, made by `scripts/credentials.py
+    made_by`), or ValueError saying what is wrong with it."""
     try:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"ledger.signing_key={path}: not a readable unencrypted PEM private key ({err})") from None
+        raise ValueError(f"{setting}={path}: not a readable unencrypted PEM private key ({err})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"ledger.signing_key={path}: expected an ECDSA key (scripts/credentials.py ledger-key)")
+        raise ValueError(f"{setting}={path}: expected an ECDSA key (scripts/credentials.py {made_by})")
     return key
 
 

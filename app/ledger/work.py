@@ -33,6 +33,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from app.ledger.signing import load_signing_key
+
 FORMAT = "fedgpu-work-v1"
 FIELDS = (
     "format", "run", "step", "task", "nonce", "node", "examples", "steps", "wall_s", "device_s", "arrays_sha256", "key"
@@ -56,13 +58,7 @@ def _message(record: dict[str, Any]) -> bytes:
 
 def load_private_key(path: str | Path) -> ec.EllipticCurvePrivateKey:
     """The node's PEM private work key, or ValueError saying what is wrong with it."""
-    try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"work-key={path}: not a readable unencrypted PEM private key ({err})") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"work-key={path}: expected an ECDSA key (scripts/credentials.py work-keys)")
-    return key
+    return load_signing_key(path, "work-key", "work-keys")
 
 
 def sign_work(key: ec.EllipticCurvePrivateKey, claims: dict[str, Any]) -> dict[str, str]:
