@@ -73,6 +73,7 @@ from app.protocol import (
     ClientSettings,
 )
 from app.simulation.attacks import MODEL_POISONING, flip_labels, is_malicious, poison, reported_examples
+from app.status.node import watched
 from app.task.batch_size import resolve_batch_size
 from app.task.data import (
     DatasetUnavailableError,
@@ -532,6 +533,7 @@ def trained(msg: Message, context: Context) -> tuple[Job, dict[str, torch.Tensor
 
 
 @app.train()
+@watched("train")
 @released
 def train_handler(msg: Message, context: Context) -> Message:
     if REGION_SUPERLINK in context.node_config:  # a regional aggregator: its region's sub-run trains
@@ -609,6 +611,7 @@ def secagg_shares_handler(msg: Message, context: Context) -> Message:
 
 
 @app.train("secagg")
+@watched("train")
 @released
 def secagg_train_handler(msg: Message, context: Context) -> Message:
     """Train, then send only the masked ring vector (its shares are checked before training)."""
@@ -640,6 +643,7 @@ def secagg_unmask_handler(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@watched("evaluate")
 @released
 def evaluate_handler(msg: Message, context: Context) -> Message:
     job = prepare_job(msg, context)

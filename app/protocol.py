@@ -66,6 +66,15 @@ WORK_KEY_ENV = "FEDGPU_WORK_KEY"
 WORK_RUN = "work-run"
 WORK_NONCE = "work-nonce"
 WORK = "work"  # a training reply's ConfigRecord: record (canonical JSON) and signature
+# the MQTT status channel (monitoring.mqtt, app/status/node.py): where a node publishes its
+# heartbeats, in every task's ConfigRecord when the server has a broker and monitoring.mqtt.nodes
+STATUS_HOST = "status.host"
+STATUS_PORT = "status.port"
+STATUS_CA_PEM = "status.ca-pem"  # the CA certificate's text ("" without TLS)
+STATUS_PREFIX = "status.prefix"
+STATUS_QOS = "status.qos"
+STATUS_RUN = "status.run"  # the run's results directory name, as the server's topics have it
+STATUS_FLUSH_S = "status.flush-s"
 
 # secagg=plus (app/secagg/): the ConfigRecord of each stage's task and reply, and the four message
 # types (`<category>.<action>`, routed by the ClientApp's named handlers). A training task's record

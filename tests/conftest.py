@@ -181,6 +181,10 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_a_restarted_node_gets_the_whole_model_and_trains_again",
     },
     "test_report": {"test_report_on_real_runs_and_on_a_single_run_dir"},
+    "test_status_channel": {
+        "test_a_broker_killed_mid_run_neither_slows_nor_changes_training",
+        "test_flwr_run_publishes_through_a_real_broker",
+    },
     "test_work_records": {
         "test_a_sign_flipper_excluded_by_multikrum_earns_nothing",
         "test_free_riders_with_valid_signatures_earn_nothing_under_any_rule",

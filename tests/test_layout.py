@@ -43,6 +43,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "app/ledger/": frozenset(),
     "app/secagg/": frozenset({"app/privacy/", "app/protocol.py", "strategies/"}),
     "app/regions/": frozenset({"app/compression/", "app/config/", "app/protocol.py", "app/simulation/", "strategies/"}),
+    "app/status/": frozenset({"app/config/", "app/protocol.py"}),
     "app/client_app.py": frozenset(
         {
             "app/compression/",
@@ -52,6 +53,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "app/regions/",
             "app/secagg/",
             "app/simulation/",
+            "app/status/",
             "app/task/",
             "strategies/",
         }
@@ -66,6 +68,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "app/regions/",
             "app/secagg/",
             "app/simulation/",
+            "app/status/",
             "app/task/",
             "strategies/",
         }

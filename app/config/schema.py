@@ -69,6 +69,8 @@ ROW_COLUMNS = (
     "secagg",
     # topology=regions (app/regions/): bytes over the wide-area links, each region's part
     "wan_bytes", "regions",
+    # the MQTT status channel's messages so far: handed over, delivered, dropped (app/status/)
+    "status_channel",
 )  # fmt: skip
 
 
@@ -243,12 +245,34 @@ class CompressionConfig:
 
 
 @dataclass(unsafe_hash=True)
+class MqttConfig:
+    """The MQTT status channel (app/status/, docs/monitoring.md): run status, alerts and node
+    heartbeats published to a broker, never blocking training."""
+
+    host: str | None = None  # the broker; None: no channel
+    port: int = 1883  # 8883 is MQTT over TLS's usual port
+    ca: str | None = None  # PEM CA certificate: TLS to the broker (nodes are sent its text)
+    cert: str | None = None  # the server's client certificate (PEM) and key, for brokers that ask
+    key: str | None = None
+    username: str | None = None
+    password_file: str | None = None  # the server's password, read from this file (never in the config)
+    topic_prefix: str = "fedgpu"
+    qos: int = 1  # 0 | 1 | 2
+    queue: int = 1000  # messages held while the broker is away; more are dropped and counted
+    nodes: bool = True  # ClientApps publish per-task heartbeats (their own credentials: docs/monitoring.md)
+    flush_s: float = 0.5  # a ClientApp waits at most this long for its last heartbeat to leave
+    close_s: float = 10.0  # after the run, the server waits at most this long for its last messages to leave
+
+
+@dataclass(unsafe_hash=True)
 class MonitoringConfig:
-    """Live Prometheus metrics served by the ServerApp (app/run/monitoring.py)."""
+    """Live Prometheus metrics served by the ServerApp (app/run/monitoring.py), and the MQTT
+    status channel (app/status/)."""
 
     prometheus_port: int = 0  # > 0: serve /metrics on this port; 0: off
     prometheus_host: str = "127.0.0.1"  # 0.0.0.0 in a container that Prometheus scrapes
     max_node_labels: int = 256  # node label values created at most; further nodes share node="other"
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
 
 
 @dataclass(unsafe_hash=True)

@@ -197,6 +197,21 @@ def validate(cfg: Config) -> Config:
             "records; use secagg=none, or ledger.work_keys=null",
         )
     m = cfg.monitoring
+    if (q := m.mqtt).host:
+        p.require(1 <= q.port <= 65535, "monitoring.mqtt.port", q.port, "a TCP port")
+        p.require(q.qos in (0, 1, 2), "monitoring.mqtt.qos", q.qos, "0, 1 or 2")
+        p.require(
+            q.queue >= 1, "monitoring.mqtt.queue", q.queue, "must be >= 1 (messages held while the broker is away)"
+        )
+        p.require(q.flush_s >= 0, "monitoring.mqtt.flush_s", q.flush_s, "must be >= 0")
+        p.require(q.close_s >= 0, "monitoring.mqtt.close_s", q.close_s, "must be >= 0")
+        p.require(bool(q.cert) == bool(q.key), "monitoring.mqtt.cert", q.cert, "a client certificate needs its key")
+        p.require(
+            bool(q.topic_prefix) and not set("#+") & set(q.topic_prefix),
+            "monitoring.mqtt.topic_prefix",
+            q.topic_prefix,
+            "a topic without the wildcards # and +",
+        )
     p.require(0 <= m.prometheus_port <= 65535, "monitoring.prometheus_port", m.prometheus_port, "0 (off) or a TCP port")
     p.require(m.max_node_labels >= 1, "monitoring.max_node_labels", m.max_node_labels, "must be >= 1")
 

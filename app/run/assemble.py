@@ -70,6 +70,7 @@ from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles, shared_wan
 from app.simulation.local_grid import InProcessGrid
 from app.simulation.virtual_clock import Regions, VirtualClockGrid, discover_partitions
+from app.status.server import RunStatus, node_settings, run_status, server_broker
 from app.task.data import (
     Examples,
     check_partitioning,
@@ -139,6 +140,7 @@ class Run:
     monitor: Monitor
     client_config: ConfigRecord  # one live record: FedBuff copies it into every task
     ledger: Ledger | None = None
+    status: RunStatus | None = None  # the MQTT status channel (monitoring.mqtt.host)
     node_keys: NodeKeys | None = None
     work: WorkChecks | None = None  # signed work records (ledger.work_keys): checked, then into the ledger
     scores: RoundScores | None = None
@@ -384,6 +386,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     if receipts is not None:
         node_config = receipts.around(node_config)
     work = work_checks(cfg.ledger) if cfg.ledger.name == "on" else None  # signed work records
+    broker = server_broker(cfg.monitoring.mqtt) if cfg.monitoring.mqtt.host else None  # files read now
     if work is not None:
         node_config = with_nonces(work, node_config)
     unpack = uplink_decoder(cfg.compression)
@@ -458,11 +461,13 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
                 **({DITTO_LAMBDA: cfg.strategy.ditto_lambda} if cfg.strategy.name == "ditto" else {}),  # Ditto
                 **pinned_base(cfg, model),
                 **(regional.task_config if regional else {}),  # the regions' sub-run overrides
+                **node_settings(cfg.monitoring.mqtt, recorder.run_dir.name),  # the status channel's broker
             }
         ),
         ledger=ledger,
         node_keys=NodeKeys(grid.get_nodes) if ledger is not None else None,
         work=work,
+        status=run_status(cfg, broker, recorder.run_dir.name, strategy.unit, task.primary),
         first_round=first_round,
         streams=streamed,
         clock=clock,

@@ -11,6 +11,7 @@ one hands a `BufferStrategy` a callback for every server update.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -68,6 +69,7 @@ class FederatedRun:
         self.cfg, self.strategy, self.privacy = run.cfg, run.strategy, run.privacy
         self.recorder, self.monitor, self.ledger, self.scores = run.recorder, run.monitor, run.ledger, run.scores
         self.clock, self.task = run.clock, run.task
+        self.status = run.status  # the MQTT status channel (monitoring.mqtt.host), or None
         self.stop_reason = "rounds"
         self.secure_outcome: Outcome | None = None  # the last secure round's (SecAgg+), until its row is written
         self.named_attackers: set[int] = set()  # malicious partitions whose node the log has named
@@ -171,6 +173,8 @@ class FederatedRun:
         """Record step `rnd`: its ledger entry (`nodes`: who took part and how), the checkpoint, its
         row, and the live metrics (per node from `client_metrics` only where the row may be exact)."""
         row.update(self.privacy.row())
+        if self.status is not None:  # what the channel handed over and dropped so far (a broker away)
+            row["status_channel"] = self.status.counts()
         check_columns(row, self.task.names)
         self.name_attackers()
         if (described := self.privacy.describe(row)) is not None:
@@ -190,6 +194,8 @@ class FederatedRun:
         recorded = reported(row, self.privacy.exact_per_node)
         self.recorder.log_round(recorded)
         self.monitor.observe(recorded, client_metrics if self.privacy.exact_per_node else [])
+        if self.status is not None:
+            self.status.round_ended(recorded)
 
     def name_attackers(self) -> None:
         """Which nodes hold the malicious partitions, once their first claims have bound them
@@ -311,6 +317,8 @@ class FederatedRun:
         federated_eval = cfg.federation.fraction_evaluate > 0
         for rnd in range(self.parts.first_round, cfg.federation.rounds + 1):
             t0 = time.time()
+            if self.status is not None:
+                self.status.round_begun(rnd)
             config = ConfigRecord(self.parts.client_config)
             messages = list(strategy.configure_train(rnd, self.arrays, config, grid))
             previous = self.arrays
@@ -509,6 +517,8 @@ class FederatedRun:
         try:
             try:
                 self.serve_metrics()
+                if self.status is not None:
+                    self.status.started(strategy=self.cfg.strategy.name, steps=self.cfg.federation.rounds)
                 self.run_versions() if self.strategy.asynchronous else self.run_rounds()
             except PrivacyBudgetExhausted as err:
                 self.stop_reason = str(err)
@@ -519,6 +529,12 @@ class FederatedRun:
             status = "completed"
         finally:
             self.monitor.close()
+            if self.status is not None:
+                failure = sys.exc_info()[1]
+                self.status.stopped(
+                    status, self.stop_reason if failure is None else f"{type(failure).__name__}: {failure}"
+                )
+                self.status.close()
             torch.save(self.full_state(self.arrays), self.recorder.final_model_path)
             cfg = self.cfg
             extra: dict[str, Any] = {
