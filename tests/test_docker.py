@@ -424,3 +424,22 @@ def test_the_monitoring_profile_adds_prometheus_and_a_loopback_grafana(layout: s
     ]:
         assert Path(mounts[target]["source"]) == DOCKER / "monitoring" / name and mounts[target]["read_only"], target
     assert set(_model(layout, tmp_path)["services"]).isdisjoint({"prometheus", "grafana"})  # only with the profile
+
+
+@pytest.mark.parametrize("layout", ["all-in-one", "server"])
+def test_the_status_profile_adds_a_tls_broker_with_passwords_and_an_acl(layout: str, tmp_path: Path) -> None:
+    files, env = LAYOUTS[layout]
+    proc = _compose(files, env, tmp_path, "--profile", "status", "config", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    broker = json.loads(proc.stdout)["services"]["broker"]
+    (port,) = broker["ports"]
+    assert port["target"] == 8883, port
+    mounts = _mounts(broker)
+    for target, name in [
+        ("/mosquitto/config/mosquitto.conf", "mosquitto.conf"),
+        ("/mosquitto/config/mosquitto.acl", "mosquitto.acl"),
+    ]:
+        assert Path(mounts[target]["source"]) == DOCKER / "monitoring" / name and mounts[target]["read_only"], target
+    conf = (DOCKER / "monitoring" / "mosquitto.conf").read_text()
+    assert "allow_anonymous false" in conf and "password_file /creds/" in conf and "certfile /creds/" in conf
+    assert "broker" not in _model(layout, tmp_path)["services"]  # only with the profile
