@@ -5,9 +5,6 @@ mid-run (training unaffected, the loss counted in the rows, publishing resumed w
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +19,8 @@ from app.config.schema import ConfigError, MqttConfig
 from app.run.results import read_rows
 from app.status.schema import ALERTS, VERSION
 from app.status.server import RunStatus
+from app.tools.broker import LocalBroker, missing
 from app.tools.in_process import run_in_process
-from app.tools.processes import free_ports
 from tests.helpers import load_script
 from tests.test_flwr_cli import flwr_env, flwr_run, run_status  # noqa: F401 - flwr_env is a fixture
 
@@ -31,67 +28,14 @@ FAST = "federation.rounds={rounds} train.epochs=1 seed=5"
 credentials = load_script("credentials")
 
 
-class Broker:
-    """Debian's mosquitto on 127.0.0.1 with TLS (our CA) and a password file: users `server` and
-    `node`; `stop()` kills it, `start()` brings it back on the same port."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.port = root, free_ports(1)[0]
-        certs = credentials.make_tls(root / "certs", [], ["127.0.0.1"])  # the CA and a certificate for 127.0.0.1
-        self.ca, cert, key = certs["ca_cert"], certs["cert"], certs["key"]
-        passwords = root / "passwords"
-        for i, (user, secret) in enumerate((("server", "server-secret"), ("node", "node-secret"))):
-            flag = ["-c"] if i == 0 else []
-            subprocess.run(["mosquitto_passwd", "-b", *flag, str(passwords), user, secret], check=True)
-            (root / f"{user}.pw").write_text(secret + "\n")
-        conf = [
-            f"listener {self.port} 127.0.0.1",
-            f"cafile {self.ca}",
-            f"certfile {cert}",
-            f"keyfile {key}",
-            "allow_anonymous false",
-            f"password_file {passwords}",
-            "persistence false",
-        ]
-        if os.geteuid() == 0:  # as root mosquitto drops to user `mosquitto`, which cannot read the 0600 key
-            conf.append("user root")
-        (root / "mosquitto.conf").write_text("\n".join(conf) + "\n")
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        """Start mosquitto and wait (a hang detector's minute) until its log says it is running."""
-        log_path = self.root / "mosquitto.log"
-        before = log_path.read_text().count(" running") if log_path.exists() else 0
-        with log_path.open("a") as log:
-            self.proc = subprocess.Popen(["mosquitto", "-c", str(self.root / "mosquitto.conf")], stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        while log_path.read_text().count(" running") <= before:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("mosquitto did not start:\n" + log_path.read_text()[-2000:])
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def overrides(self, queue: int = 1000) -> str:
-        return (
-            f"monitoring.mqtt.host=127.0.0.1 monitoring.mqtt.port={self.port} monitoring.mqtt.ca={self.ca} "
-            f"monitoring.mqtt.username=server monitoring.mqtt.password_file={self.root / 'server.pw'} "
-            f"monitoring.mqtt.queue={queue}"
-        )
-
-
 class Subscriber:
     """Everything published under fedgpu/#, as (topic, payload, retained), reconnecting by itself."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: LocalBroker) -> None:
         self.messages: list[tuple[str, dict[str, Any], bool]] = []
         self.lock = threading.Lock()
         client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-        client.username_pw_set("node", "node-secret")
+        client.username_pw_set("watcher", "watcher-secret")
         client.tls_set(ca_certs=str(broker.ca))
         client.on_connect = lambda c, *_: c.subscribe("fedgpu/#", qos=1)
         client.on_message = self._on_message
@@ -124,10 +68,10 @@ class Subscriber:
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Broker]:
-    if shutil.which("mosquitto") is None or shutil.which("mosquitto_passwd") is None:
-        pytest.skip("no `mosquitto` on PATH (CI installs Debian's mosquitto: .ci/run)")
-    b = Broker(tmp_path / "broker")
+def broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    if (why := missing()) is not None:
+        pytest.skip(why)
+    b = LocalBroker(tmp_path / "broker")
     try:
         yield b
     finally:
@@ -135,17 +79,21 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
 
 
 @pytest.fixture
-def node_credentials(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+def node_credentials(broker: LocalBroker, monkeypatch: pytest.MonkeyPatch) -> None:
     """Simulated nodes' own credentials (their node config is Flower's: the environment)."""
-    monkeypatch.setenv("FEDGPU_STATUS_USERNAME", "node")
-    monkeypatch.setenv("FEDGPU_STATUS_PASSWORD_FILE", str(broker.root / "node.pw"))
+    for key, value in broker.node_env().items():
+        monkeypatch.setenv(key, value)
+
+
+def _overrides(broker: LocalBroker, queue: int = 1000) -> str:
+    return " ".join(broker.overrides(queue))
 
 
 def test_a_run_publishes_its_state_rounds_and_each_nodes_tasks(broker, node_credentials, tmp_path):
     sub = Subscriber(broker)
     try:
         summary, _ = run_in_process(
-            FAST.format(rounds=2) + " federation.fraction_evaluate=1 " + broker.overrides(), tmp_path, nodes=3
+            FAST.format(rounds=2) + " federation.fraction_evaluate=1 " + _overrides(broker), tmp_path, nodes=3
         )
         run = Path(summary["run_dir"]).name
         sub.wait_for(lambda: any(p["state"] == "completed" for p in sub.of(f"runs/{run}/state")))
@@ -196,7 +144,7 @@ def test_a_broker_killed_mid_run_neither_slows_nor_changes_training(broker, tmp_
     thread.start()
     try:
         summary, _ = run_in_process(
-            FAST.format(rounds=5) + " monitoring.mqtt.nodes=false " + broker.overrides(queue=2), rows_file, nodes=3
+            FAST.format(rounds=5) + " monitoring.mqtt.nodes=false " + _overrides(broker, queue=2), rows_file, nodes=3
         )
         thread.join(timeout=600)
         run = Path(summary["run_dir"]).name
@@ -288,13 +236,9 @@ def test_flwr_run_publishes_through_a_real_broker(broker, flwr_env, tmp_path):  
     """`flwr run` as a user runs it, the simulated nodes with their own credentials (the environment
     of the `flwr run` that starts this module's local SuperLink)."""
     sub = Subscriber(broker)
-    env = {
-        **flwr_env,
-        "FEDGPU_STATUS_USERNAME": "node",
-        "FEDGPU_STATUS_PASSWORD_FILE": str(broker.root / "node.pw"),
-    }
+    env = {**flwr_env, **broker.node_env()}
     try:
-        code, out, run_id = flwr_run(env, tmp_path / "runs", "federation.rounds=2 train.epochs=1 " + broker.overrides())
+        code, out, run_id = flwr_run(env, tmp_path / "runs", "federation.rounds=2 train.epochs=1 " + _overrides(broker))
         assert code == 0 and run_id, out[-4000:]
         assert run_status(env, run_id)["status"] == "finished:completed", out[-4000:]
         (summary,) = (tmp_path / "runs").rglob("summary.json")
