@@ -17,6 +17,7 @@ import torch
 
 from app.config.schema import ConfigError, MqttConfig
 from app.run.results import read_rows
+from app.status.alerts import AlertRules
 from app.status.schema import ALERTS, VERSION
 from app.status.server import RunStatus
 from app.tools.broker import LocalBroker, missing
@@ -180,7 +181,8 @@ class Collected:
 
 def test_alerts_follow_the_rows():
     channel = Collected()
-    status = RunStatus(MqttConfig(host="x"), "run1", "round", "accuracy", target=0.9, max_epsilon=10.0, channel=channel)
+    rules = AlertRules("round", "accuracy", target=0.9, max_epsilon=10.0)
+    status = RunStatus(MqttConfig(host="x"), "run1", "round", "accuracy", rules, channel)  # type: ignore[arg-type]
     status.round_ended({"round": 1, "accuracy": 0.5, "epsilon": 8.0, "model_updated": True, "rejected": []})
     status.round_ended(
         {

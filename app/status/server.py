@@ -20,8 +20,9 @@ from app.protocol import (
     STATUS_QOS,
     STATUS_RUN,
 )
+from app.status.alerts import AlertRules
 from app.status.channel import Broker, Channel
-from app.status.schema import NEARLY_SPENT, payload, run_topic
+from app.status.schema import payload, run_topic
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -54,34 +55,23 @@ class RunStatus:
     """Publishes one run's state, rounds and alerts; every call returns at once."""
 
     def __init__(
-        self,
-        cfg: MqttConfig,
-        run: str,
-        unit: str,
-        primary: str,
-        target: float = 0.0,
-        max_epsilon: float = 0.0,
-        broker: Broker | None = None,
-        channel: Channel | None = None,
+        self, cfg: MqttConfig, run: str, unit: str, primary: str, rules: AlertRules, channel: Channel | Broker
     ) -> None:
-        self.cfg, self.run, self.unit, self.primary = cfg, run, unit, primary
-        self.target, self.max_epsilon = target, max_epsilon
-        self.target_metric = primary  # the metric `target` refers to (federation.target_metric)
+        self.cfg, self.run, self.unit, self.primary, self.rules = cfg, run, unit, primary, rules
         self.state_topic = run_topic(cfg.topic_prefix, run, "state")
         self.rounds_topic = run_topic(cfg.topic_prefix, run, "rounds")
         self.alerts_topic = run_topic(cfg.topic_prefix, run, "alerts")
-        # A server that dies without a goodbye leaves the broker saying so (MQTT's last will)
-        will = (self.state_topic, payload(run=run, state="failed", why="the ServerApp lost its broker connection"))
-        self.channel = channel or Channel(broker or server_broker(cfg), f"fedgpu-server-{run}", will=will)
+        if isinstance(channel, Broker):  # a server that dies without a goodbye leaves the broker saying so
+            will = (self.state_topic, payload(run=run, state="failed", why="the ServerApp lost its broker connection"))
+            channel = Channel(channel, f"fedgpu-server-{run}", will=will)
+        self.channel = channel
         self.step = 0
-        self.reached = self.nearly = False
-        log.info("status channel: mqtt%s://%s:%d, topics %s/runs/%s/#", *self._url(), cfg.topic_prefix, run)
+        scheme = "mqtts" if cfg.ca else "mqtt"
+        log.info("status channel: %s://%s:%d, topics %s/runs/%s/#", scheme, cfg.host, cfg.port, cfg.topic_prefix, run)
 
-    def _url(self) -> tuple[str, str, int]:
-        return ("s" if self.cfg.ca else "", str(self.cfg.host), self.cfg.port)
-
-    def _alert(self, kind: str, **fields: Any) -> None:  # noqa: ANN401
-        self.channel.publish(self.alerts_topic, payload(run=self.run, alert=kind, step=self.step, **fields))
+    def _alerts(self, alerts: list[dict[str, Any]]) -> None:
+        for alert in alerts:
+            self.channel.publish(self.alerts_topic, payload(run=self.run, **alert))
 
     def state(self, state: str, **fields: Any) -> None:  # noqa: ANN401
         """The run's last state, retained: a subscriber that comes later reads it at once."""
@@ -101,26 +91,11 @@ class RunStatus:
         self.step = int(row.get("round", self.step))
         self.channel.publish(self.rounds_topic, payload(run=self.run, event="ended", step=self.step, row=row))
         self.state("running", **{k: row[k] for k in (self.primary, "loss", "epsilon") if row.get(k) is not None})
-        for rejected in row.get("rejected") or []:
-            self._alert("node_rejected", node=rejected.get("node_id"), why=rejected.get("reason"))
-        for node in row.get("missing") or []:
-            self._alert("node_lost", node=node, why=f"no reply within the {self.unit}'s timeout")
-        if row.get("model_updated") is False:
-            self._alert("round_skipped", why="the model was not updated (too few valid replies, or an aborted round)")
-        epsilon = row.get("epsilon")
-        if self.max_epsilon > 0 and isinstance(epsilon, int | float):
-            if epsilon >= NEARLY_SPENT * self.max_epsilon and not self.nearly:
-                self.nearly = True
-                self._alert("budget_nearly_spent", epsilon=epsilon, max_epsilon=self.max_epsilon)
-        value = row.get(self.target_metric)
-        if self.target > 0 and isinstance(value, int | float) and value >= self.target and not self.reached:
-            self.reached = True
-            self._alert("target_reached", metric=self.target_metric, value=value, target=self.target)
+        self._alerts(self.rules.of_row(row))
 
     def stopped(self, status: str, why: str | None) -> None:
         """The run's final state (completed, stopped, failed) and why; the budget's end is an alert too."""
-        if why and "budget" in why:
-            self._alert("budget_spent", why=why)
+        self._alerts(self.rules.of_end(self.step, why))
         self.state(status, why=why)
 
     def counts(self) -> dict[str, int]:
@@ -137,12 +112,7 @@ def run_status(cfg: Config, broker: Broker | None, run: str, unit: str, primary:
     before the run wrote anything), else None."""
     if broker is None:
         return None
-    f = cfg.federation
-    target = f.target_value if f.target_value > 0 else f.target_accuracy
-    metric = f.target_metric or (primary if f.target_value > 0 else "accuracy")
-    status = RunStatus(cfg.monitoring.mqtt, run, unit, primary, broker=broker, max_epsilon=cfg.privacy.max_epsilon)
-    status.target, status.target_metric = target, metric
-    return status
+    return RunStatus(cfg.monitoring.mqtt, run, unit, primary, AlertRules.of_config(cfg, unit, primary), broker)
 
 
 def node_settings(cfg: MqttConfig, run: str) -> dict[str, Any]:
