@@ -181,6 +181,7 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_a_restarted_node_gets_the_whole_model_and_trains_again",
     },
     "test_report": {"test_report_on_real_runs_and_on_a_single_run_dir"},
+    "test_live": {"test_the_page_in_a_browser_shows_a_running_federations_curve_grow"},
     "test_status_channel": {
         "test_a_broker_killed_mid_run_neither_slows_nor_changes_training",
         "test_flwr_run_publishes_through_a_real_broker",

@@ -44,6 +44,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "app/secagg/": frozenset({"app/privacy/", "app/protocol.py", "strategies/"}),
     "app/regions/": frozenset({"app/compression/", "app/config/", "app/protocol.py", "app/simulation/", "strategies/"}),
     "app/status/": frozenset({"app/config/", "app/protocol.py"}),
+    "app/live/": frozenset({"app/status/"}),
     "app/client_app.py": frozenset(
         {
             "app/compression/",

@@ -1,0 +1,206 @@
+"""What the live page shows of each run, read from its results directory as it grows (or fed from
+the MQTT status channel, app/live/feed.py): status, rows, per-node state, alerts.
+
+Files are read incrementally: `metrics.jsonl` and `ledger.jsonl` from the byte offset reached
+last time, complete lines only (a row being written is read next time), so a long run costs a
+poll only its new rows.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.status.alerts import AlertRules
+
+ROW_KEYS = ("round", "loss", "wall_time_s", "epsilon", "bytes_up_total", "bytes_down_total", "num_clients")
+MAX_ALERTS = 200  # the newest kept per run
+
+
+class Tail:
+    """The complete new lines of a growing JSON-lines file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn line is skipped, never fatal to the page
+        return out
+
+
+@dataclass
+class NodeState:
+    last_step: int | None = None
+    last_seen: str | None = None  # the ledger entry's time, or a heartbeat's
+    examples: float = 0.0
+    applied: int = 0
+    rejected: int = 0
+    contribution: float | None = None
+    heartbeat: str | None = None  # the node's last task state from the channel
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RunView:
+    """One run as the page shows it."""
+
+    name: str
+    path: Path | None = None
+    primary: str = "accuracy"
+    unit: str = "round"
+    planned: int | None = None
+    strategy: str = ""
+    status: str = "running"
+    why: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    rules: AlertRules = field(default_factory=AlertRules)
+    changed: float = field(default_factory=time.time)
+    _metrics: Tail | None = None
+    _ledger: Tail | None = None
+
+    @classmethod
+    def of_dir(cls, path: Path) -> RunView:
+        """A run directory: its config says the primary metric, the plan and the alert rules."""
+        try:
+            cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            cfg = {}
+        metrics = (cfg.get("task") or {}).get("metrics") or ["accuracy"]
+        first = metrics[0]
+        primary = first if isinstance(first, str) else str(first.get("name") or "metric")
+        strategy = str((cfg.get("strategy") or {}).get("name", ""))
+        unit = "version" if strategy == "fedbuff" else "round"
+        view = cls(path.name, path, primary, unit, (cfg.get("federation") or {}).get("rounds"), strategy)
+        if cfg.get("federation") and cfg.get("privacy"):
+            view.rules = AlertRules.of_config(cfg, unit, primary)
+        view._metrics, view._ledger = Tail(path / "metrics.jsonl"), Tail(path / "ledger.jsonl")
+        return view
+
+    def add_row(self, row: dict[str, Any], alerts: bool = True) -> None:
+        """A row as metrics.jsonl records it, and (`alerts`) the alerts it shows."""
+        self.rows.append(row)
+        if alerts:
+            self.add_alerts(self.rules.of_row(row))
+        for r in row.get("rejected") or []:  # a row's facts, where the ledger is off
+            self.node(r.get("node_id"))
+
+    def add_alerts(self, alerts: list[dict[str, Any]]) -> None:
+        self.alerts = (self.alerts + alerts)[-MAX_ALERTS:]
+
+    def node(self, node_id: Any) -> NodeState:  # noqa: ANN401
+        return self.nodes.setdefault(str(node_id), NodeState())
+
+    def add_entry(self, entry: dict[str, Any]) -> None:
+        """A ledger entry: each node's last step, its examples, rejections and contribution."""
+        for record in entry.get("nodes", []):
+            state = self.node(record.get("node_id"))
+            state.last_step, state.last_seen = entry.get("step"), entry.get("recorded_at")
+            outcome = str(record.get("outcome", ""))
+            if outcome == "applied":
+                state.applied += 1
+                state.examples += float(record.get("reported_examples") or 0.0)
+            elif outcome.startswith("rejected"):
+                state.rejected += 1
+            if isinstance(record.get("contribution"), int | float):
+                state.contribution = (state.contribution or 0.0) + float(record["contribution"])
+
+    def poll(self) -> bool:
+        """Read what the run's files gained; whether anything did."""
+        if self.path is None:
+            return False
+        grew = False
+        for row in self._metrics.new() if self._metrics else []:
+            self.add_row(row)
+            grew = True
+        for entry in self._ledger.new() if self._ledger else []:
+            self.add_entry(entry)
+            grew = True
+        summary = _summary(self.path)
+        if summary is not None and summary.get("status") != self.status:
+            self.status, self.why = str(summary.get("status")), summary.get("stop_reason")
+            self.add_alerts(self.rules.of_end(self.rows[-1].get("round") if self.rows else None, self.why))
+            grew = True
+        if grew:
+            self.changed = time.time()
+        return grew
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the page receives: the run, its rows (the chart's columns and the table's), its nodes."""
+        last = self.rows[-1] if self.rows else {}
+        return {
+            "name": self.name,
+            "status": self.status,
+            "why": self.why,
+            "strategy": self.strategy,
+            "primary": self.primary,
+            "unit": self.unit,
+            "planned": self.planned,
+            "step": last.get("round"),
+            "metric": last.get(self.primary),
+            "loss": last.get("loss"),
+            "epsilon": last.get("epsilon"),
+            "bytes": (last.get("bytes_up_total") or 0) + (last.get("bytes_down_total") or 0) or None,
+            "rows": [{k: r.get(k) for k in (*ROW_KEYS, self.primary)} for r in self.rows],
+            "nodes": {n: s.as_dict() for n, s in sorted(self.nodes.items())},
+            "alerts": self.alerts[-50:],
+            "changed": self.changed,
+        }
+
+
+def _summary(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """A results directory of a run: its resolved config (written before round 1) names a federation."""
+    config = path / "config.yaml"
+    try:
+        return config.is_file() and "federation:" in config.read_text()
+    except OSError:
+        return False
+
+
+def find_run_dirs(root: Path, depth: int = 3) -> list[Path]:
+    """`root` if it is a run, else the runs at most `depth` levels below it (sweep jobs included),
+    hidden directories skipped."""
+    root = Path(root)
+    if is_run_dir(root):
+        return [root]
+    found: list[Path] = []
+    frontier = [root]
+    for _ in range(depth):
+        nxt = []
+        for d in frontier:
+            try:
+                children = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                continue
+            for child in children:
+                (found if is_run_dir(child) else nxt).append(child)
+        frontier = nxt
+    return found
