@@ -54,6 +54,8 @@ VARIANTS: dict[str, str] = {
     "fedavg-cosine": "strategy=fedavg train.lr_schedule=cosine train.min_lr_ratio=0.1",
     "fedavg-cosine03": "strategy=fedavg train.lr_schedule=cosine train.min_lr_ratio=0.3",
     "scaffold-cosine03": "strategy=scaffold train.lr_schedule=cosine train.min_lr_ratio=0.3",
+    # SCAFFOLD with plain local SGD (NIID-Bench's default), at the step momentum 0.9 gives lr 0.02
+    "scaffold-sgd": f"strategy=scaffold train.momentum=0 train.lr=0.2 {CONSTANT}",
 }
 # The second dataset: the breast-cancer example (examples/tabular, sklearn's bundled data, an MLP):
 # two classes over ten nodes, a harder label skew than digits' ten classes at the same alpha (most

@@ -52,6 +52,7 @@ class NodeState:
     last_seen: str | None = None  # the ledger entry's time, or a heartbeat's
     examples: float = 0.0
     applied: int = 0
+    excluded: int = 0  # left out by the robust rule
     rejected: int = 0
     contribution: float | None = None
     heartbeat: str | None = None  # the node's last task state from the channel
@@ -123,6 +124,8 @@ class RunView:
                 state.examples += float(record.get("reported_examples") or 0.0)
             elif outcome.startswith("rejected"):
                 state.rejected += 1
+            elif outcome.startswith("excluded"):
+                state.excluded += 1
             if isinstance(record.get("contribution"), int | float):
                 state.contribution = (state.contribution or 0.0) + float(record["contribution"])
 

@@ -26,7 +26,9 @@ function drawRuns() {
     tr.dataset.run = name;
     if (name === selected) tr.className = "selected";
     cell(tr, name);
-    cell(tr, r.status + (r.why && r.status !== "running" ? ` (${r.why})` : ""), "status-" + r.status);
+    const why = r.why && r.status !== "running" ? r.why : "";
+    cell(tr, r.status + (why ? ` (${why.length > 40 ? why.slice(0, 39) + "…" : why})` : ""), "status-" + r.status);
+    tr.lastChild.title = why;
     cell(tr, r.strategy || "–");
     cell(tr, r.step === null ? "–" : `${r.step}${r.planned ? " / " + r.planned : ""}`);
     cell(tr, `${r.primary} ${fmt(r.metric)}`);
@@ -83,6 +85,7 @@ function drawDetail(rebuild) {
     cell(tr, n.last_seen ? new Date(n.last_seen).toLocaleTimeString() : "–");
     cell(tr, fmt(n.examples, 0));
     cell(tr, n.applied);
+    cell(tr, n.excluded);
     cell(tr, n.rejected);
     cell(tr, fmt(n.contribution, 4));
     cell(tr, n.heartbeat || "–");
