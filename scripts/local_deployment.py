@@ -25,6 +25,8 @@ and the logs for the next `up`; `--purge` deletes it.
 The state directory must lie outside any git work tree (or be ignored by git): it holds
 private keys. Run results land where the run's `output-dir` says (default ~/fedgpu-runs).
 `--insecure` drops TLS and node authentication (a first look only; never expose it).
+`up --status-login USER PASSWORD_FILE` gives every site that login to the MQTT status channel
+(node config `status-username`, `status-password-file`; docs/monitoring.md).
 
 `up --regions R --nodes-per-region N` brings up a two-level deployment (topology=regions,
 docs/deployment.md#regions-two-level-deployment; `TwoLevel`): R regional stacks under
@@ -222,6 +224,7 @@ class Deployment:
         port: int | None = None,
         node_configs: Sequence[str] | None = None,
         regions: int = 0,
+        status_login: Sequence[str] | None = None,
     ) -> None:
         if edge and not secure:
             raise DeploymentError("the edge terminates TLS with the SuperLink's certificate: drop --insecure")
@@ -234,6 +237,8 @@ class Deployment:
         self.data_paths = [Path(p).resolve() for p in data_paths] if data_paths is not None else None
         self.node_configs = list(node_configs) if node_configs is not None else None
         self.regions = regions
+        # [username, password file] every site publishes its status-channel heartbeats with
+        self.status_login = list(status_login) if status_login else None
         self.port = port or free_ports(1)[0]
         self.node_ports = free_ports(num_nodes)
         self.fleet_port = free_ports(1)[0] if edge else self.port
@@ -258,7 +263,7 @@ class Deployment:
             "node_ports": self.node_ports, "fleet_port": self.fleet_port, "node_ids": self.node_ids,
             "pids": self.pids, "processes": {name: asdict(rec) for name, rec in self.procs.items()},
             "data_paths": [str(p) for p in self.data_paths] if self.data_paths else None,
-            "node_configs": self.node_configs, "regions": self.regions,
+            "node_configs": self.node_configs, "regions": self.regions, "status_login": self.status_login,
         }  # fmt: skip
         (self.root / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -274,6 +279,7 @@ class Deployment:
         fed = cls(
             root, state["num_nodes"], state["secure"], data and [Path(p) for p in data], state["edge"],
             node_configs=state.get("node_configs"), regions=state.get("regions", 0),
+            status_login=state.get("status_login"),
         )  # fmt: skip
         fed.port, fed.node_ports, fed.fleet_port = state["port"], state["node_ports"], state["fleet_port"]
         fed.node_ids, fed.pids = state["node_ids"], state["pids"]
@@ -441,6 +447,9 @@ class Deployment:
         name = f'name="node-{i}"'
         if self.secure:  # its key for signed work records (docs/ledger.md#signed-work-records)
             name += f' work-key="{self.work_key(f"node-{i}")}"'
+        if self.status_login:  # its status-channel login (docs/monitoring.md#the-mqtt-status-channel)
+            user, password_file = self.status_login
+            name += f' status-username="{user}" status-password-file="{Path(password_file).resolve()}"'
         if self.data_paths:
             return f'{name} data-path="{self.data_paths[i]}"'
         return f"{name} partition-id={i} num-partitions={self.num_nodes}"
@@ -728,6 +737,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--region-overrides", default="", help="Hydra overrides of every region's sub-runs, after the global run's (up)"
     )
+    parser.add_argument(
+        "--status-login",
+        nargs=2,
+        metavar=("USERNAME", "PASSWORD_FILE"),
+        help="the MQTT status channel's login every site publishes its heartbeats with (up; docs/monitoring.md)",
+    )
     parser.add_argument("--purge", action="store_true", help="delete the state directory after stopping (down)")
     parser.add_argument("--allow-in-repo", action="store_true", help="allow a state directory git does not ignore")
     args = parser.parse_args(argv)
@@ -782,7 +797,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.region_overrides,
                     )  # fmt: skip
                 else:
-                    fed = Deployment(root, len(data), not args.insecure, data, args.edge, args.port)
+                    fed = Deployment(
+                        root, len(data), not args.insecure, data, args.edge, args.port, status_login=args.status_login
+                    )
             started = fed.up()
             print(f"started: {', '.join(started) or 'nothing (all running)'}", flush=True)
         elif args.command == "down":

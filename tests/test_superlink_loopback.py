@@ -48,8 +48,10 @@ import pytest
 
 from app.ledger.chain import LEDGER_FILE, read_entries
 from app.ledger.verify import verify_run
+from app.tools.broker import LocalBroker, missing
 from app.tools.processes import free_ports, kill_matching, parse_flwr_json, processes_under, stop_processes
 from tests.helpers import load_script
+from tests.test_status_channel import Subscriber as StatusWatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 local_deployment = load_script("local_deployment")
@@ -270,7 +272,12 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
     sizes = [479, 300]
     files = _site_files(tmp_path / "sites", sizes)
     port = str(free_ports(1)[0])
-    up = _script("up", state, "--data", *map(str, files), "--port", port, home=home, cwd=work)
+    # The status channel on a real Mosquitto (docs/monitoring.md), the sites with the login `up` gives them
+    broker = LocalBroker(tmp_path / "broker") if missing() is None else None
+    login = ["--status-login", "node", str(broker.root / "node.pw")] if broker else []
+    status = " " + " ".join(broker.overrides()) if broker else ""
+    watcher = StatusWatcher(broker) if broker else None
+    up = _script("up", state, "--data", *map(str, files), "--port", port, *login, home=home, cwd=work)
     fed = LoopbackFederation.load(state)
     try:
         assert "nodes online: 2 of 2" in up, up
@@ -282,7 +289,7 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
             # Round 1 starts two fresh ClientApp processes (torch imports): ~15 s idle on two cores,
             # more under load. The killed node's round-2 task is given up after the round timeout.
             "federation.rounds=4 federation.round_timeout_s=45 federation.round_wait_timeout_s=240 train.epochs=1 "
-            f"ledger.work_keys={fed.creds / 'work-keys'}",  # each site signs its work (docs/ledger.md)
+            f"ledger.work_keys={fed.creds / 'work-keys'}" + status,  # each site signs its work (docs/ledger.md)
             out_root=tmp_path / "results",
         )
         wait_until(run.metrics, 180.0, "round 1 in metrics.jsonl", interval=0.5)
@@ -291,10 +298,16 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
         wait_until(lambda: waiting in tail(run.log, 10**6), 240.0, "the bounded wait for the lost node", 1.0)
         restart = _script("up", state, home=home, cwd=work)
         summary = run.wait(timeout=300)
+        if watcher is not None:  # the server's last state reaches the broker after the summary is written
+            done = f"runs/{Path(summary['run_dir']).name}/state"
+            watcher.wait_for(lambda: any(p["state"] == "completed" for p in watcher.of(done)), timeout=120)
         code = wait_until(lambda: stranger.poll() is not None, 120.0, "the unregistered SuperNode to give up")
         log = tail(run.log, 10**6)
     finally:
         down = _script("down", state, home=home, cwd=work)
+        if broker is not None:
+            watcher.close()
+            broker.stop()
 
     assert "started: node-1" in restart, restart
     assert "partition claims: ignored (a deployment" in log, "a deployed node's partition-id claim binds"
@@ -328,6 +341,11 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
     applied = [n for n in records if n["outcome"] == "applied"]
     assert len(applied) >= 6 and all(n["work"]["site"] == f"node-{fed.node_ids.index(n['node_id'])}" for n in applied)
     assert verify_run(Path(summary["run_dir"])) == []
+    if watcher is not None:  # both deployed sites published heartbeats with their node-config login
+        run_name = Path(summary["run_dir"]).name
+        beats = watcher.of("/tasks")
+        assert {b["node"] for b in beats if b["run"] == run_name and b["state"] == "finished"} == set(fed.node_ids)
+        assert watcher.of(f"runs/{run_name}/state")[-1]["state"] == "completed"
 
 
 def test_up_right_after_a_node_crash_waits_out_the_old_session_and_the_node_rejoins(tmp_path: Path) -> None:
