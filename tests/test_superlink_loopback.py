@@ -48,6 +48,7 @@ import pytest
 
 from app.ledger.chain import LEDGER_FILE, read_entries
 from app.ledger.verify import verify_run
+from app.live.runs import RunView
 from app.tools.broker import LocalBroker, missing
 from app.tools.processes import free_ports, kill_matching, parse_flwr_json, processes_under, stop_processes
 from tests.helpers import load_script
@@ -341,6 +342,12 @@ def test_the_scripts_secure_stack_waits_a_bounded_time_for_a_lost_node_and_takes
     applied = [n for n in records if n["outcome"] == "applied"]
     assert len(applied) >= 6 and all(n["work"]["site"] == f"node-{fed.node_ids.index(n['node_id'])}" for n in applied)
     assert verify_run(Path(summary["run_dir"])) == []
+    # The live page reads the deployed run's results like any other (app/live/runs.py)
+    page = RunView.of_dir(Path(summary["run_dir"]))
+    page.poll()
+    shown = page.as_dict()
+    assert (shown["status"], shown["step"], len(shown["rows"])) == ("completed", 4, 4), shown["status"]
+    assert set(shown["nodes"]) == {str(n) for n in fed.node_ids}
     if watcher is not None:  # both deployed sites published heartbeats with their node-config login
         run_name = Path(summary["run_dir"]).name
         beats = watcher.of("/tasks")
