@@ -108,11 +108,15 @@ def test_a_run_publishes_its_state_rounds_and_each_nodes_tasks(broker, node_cred
     assert [p["step"] for p in sub.of(f"runs/{run}/rounds")] == [1, 1, 2, 2]
     # the ended round carries the row metrics.jsonl records (the row's own channel counts included)
     assert [e["row"] for e in ended] == json.loads(json.dumps(rows))
-    tasks = [(t.split("/")[2], p["task"], p["step"], p["state"]) for t, p, _ in sub.messages if "/nodes/" in t]
+    # A node's messages may reach the broker out of order (one sent before its connection was up goes
+    # after a later one): consumers order them by `time`, as here.
+    beats = sorted(
+        (p["time"], t.split("/")[2], p["task"], p["step"], p["state"]) for t, p, _ in sub.messages if "/nodes/" in t
+    )
     for node in ("1000", "1001", "1002"):
         for kind in ("train", "evaluate"):
             for step in (1, 2):
-                assert [s for n, k, st, s in tasks if (n, k, st) == (node, kind, step)] == ["started", "finished"]
+                assert [s for _, n, k, st, s in beats if (n, k, st) == (node, kind, step)] == ["started", "finished"]
     finished = [p for t, p, _ in sub.messages if "/nodes/" in t and p["state"] == "finished" and p["task"] == "train"]
     assert all(p["outcome"] == "replied" and p["device"] == "cpu" and p["steps"] > 0 for p in finished)
     assert not any("loss" in p or "num-examples" in p for p in finished)  # telemetry only

@@ -79,6 +79,8 @@ class Feed:
                     continue
                 view = views[name]
                 state = view.node(body.get("node", parts[2]))
+                if state.last_seen is not None and str(body.get("time")) < str(state.last_seen):
+                    continue  # an older message that arrived late (ISO times in UTC sort as strings)
                 state.heartbeat = f"{body.get('task')} {body.get('state')}"
                 state.last_seen, state.last_step = body.get("time"), body.get("step")
             else:
