@@ -49,7 +49,8 @@ class Channel:
         self._lock = threading.Lock()
         self.sent = self.delivered = self.dropped = 0
         self._retained: dict[str, dict[str, Any]] = {}  # topic -> its latest dropped retained payload
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{client_id}-{uuid.uuid4().hex[:8]}")
+        # at most 23 characters: what MQTT 3.1.1 obliges a broker to accept
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{client_id[:10]}-{uuid.uuid4().hex[:12]}")
         if broker.username:
             client.username_pw_set(broker.username, broker.password)
         if broker.ca_file or broker.ca_pem:

@@ -75,7 +75,7 @@ def node_broker(config: Any, context: Context) -> Broker | None:  # noqa: ANN401
 
 def _channel(broker: Broker) -> Channel:
     if broker not in _channels:
-        _channels[broker] = Channel(broker, "fedgpu-node")
+        _channels[broker] = Channel(broker, "fedgpu-cli")
     return _channels[broker]
 
 

@@ -63,7 +63,7 @@ class RunStatus:
         self.alerts_topic = run_topic(cfg.topic_prefix, run, "alerts")
         if isinstance(channel, Broker):  # a server that dies without a goodbye leaves the broker saying so
             will = (self.state_topic, payload(run=run, state="failed", why="the ServerApp lost its broker connection"))
-            channel = Channel(channel, f"fedgpu-server-{run}", will=will)
+            channel = Channel(channel, "fedgpu-srv", will=will)
         self.channel = channel
         self.step = 0
         scheme = "mqtts" if cfg.ca else "mqtt"
