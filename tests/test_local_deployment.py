@@ -69,13 +69,20 @@ def test_the_recorded_deployment_reads_back_and_down_stops_nodes_first_and_never
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     files = [tmp_path / "a.npz", tmp_path / "b.npz"]
-    fed = local_deployment.Deployment(tmp_path / "state", 2, secure=True, data_paths=files, port=9555)
+    login = ["lab", str(tmp_path / "mqtt.pw")]
+    fed = local_deployment.Deployment(
+        tmp_path / "state", 2, secure=True, data_paths=files, port=9555, status_login=login
+    )
     fed.node_ids, fed.pids = [11, 22], {"superlink": 1, "superexec": 2, "node-0": 3, "node-1": 4, "stranger": 5}
     fed.save()
     back = local_deployment.Deployment.load(tmp_path / "state")
     assert (back.port, back.node_ports, back.node_ids, back.pids) == (9555, fed.node_ports, [11, 22], fed.pids)
     assert back.data_paths == files and back.secure and not back.edge
-    assert back.node_config(1) == f'name="node-1" data-path="{files[1]}"'  # TOML strings: quoted
+    key = tmp_path / "state" / "creds" / "keys" / "node-1.work.key"  # made on first use, kept after
+    assert back.node_config(1) == (  # TOML strings: quoted
+        f'name="node-1" work-key="{key}" status-username="lab" status-password-file="{login[1]}" data-path="{files[1]}"'
+    )
+    assert key.is_file() and (tmp_path / "state" / "creds" / "work-keys" / "node-1.work.pub").is_file()
     assert back.homes() == ["node-0", "node-1", "edge", "stranger", "superexec", "superlink"]
     code, out = _main(capsys, "up", "--state-dir", str(tmp_path / "state"), "--nodes", "3")
     assert code == 1 and "holds a deployment of 2 nodes" in out, out
