@@ -886,6 +886,30 @@ def check_hidden_gpu_notice(ctx: Ctx, fig: dict[str, Any]) -> None:
     expect(bool(fig["notice"]), "hidden_gpus_notice() is empty with CUDA_VISIBLE_DEVICES='' on a GPU machine")
 
 
+def check_device_seconds(ctx: Ctx, fig: dict[str, Any]) -> None:
+    """A training reply's `device-s` on a GPU (what a signed work record states, and the status
+    channel's heartbeat carries) is NVML's busy time: above 0 and at most the training time."""
+    needs_gpu(ctx, "device seconds from NVML utilisation")
+    import tempfile
+
+    from app.run.results import read_rows
+    from app.tools.in_process import run_in_process
+
+    with tempfile.TemporaryDirectory() as root, quiet_logs():
+        overrides = "federation.rounds=1 train.epochs=2 train.telemetry_interval_s=0.05 ledger=off"
+        summary, _ = run_in_process(overrides, root, nodes=2)
+        train = read_rows(summary["run_dir"])[0]["train"]
+    fig["train"] = {k: train.get(k) for k in ("device-s", "wall-time-s", "gpu-telemetry")}
+    busy, wall = float(train.get("device-s", 0.0)), float(train["wall-time-s"])
+    problems = []
+    if train.get("gpu-telemetry") != 1.0:
+        problems.append(f"gpu-telemetry={train.get('gpu-telemetry')}: NVML did not sample the training")
+    if not 0 < busy <= wall * 1.0001:
+        problems.append(f"device-s {busy} is not in (0, wall-time-s {wall}]")
+    fig["headline"] = f"device-s {busy:.3f} of {wall:.3f} s"
+    expect_none(problems)
+
+
 CHECKS: dict[str, Callable[[Ctx, dict[str, Any]], None]] = {
     "telemetry": check_telemetry,
     "fedbuff_momentum_resume": check_fedbuff_momentum_resume,
@@ -902,6 +926,7 @@ CHECKS: dict[str, Callable[[Ctx, dict[str, Any]], None]] = {
     "local_dp": check_local_dp,
     "client_loop_vs_plain": check_client_loop_vs_plain,
     "hidden_gpu_notice": check_hidden_gpu_notice,
+    "device_seconds": check_device_seconds,
 }
 
 WORKERS: dict[str, Callable[[torch.device, Sizes], dict[str, Any]]] = {"timer": timer_worker}

@@ -27,6 +27,7 @@ CHECKS = (
     "local_dp",
     "client_loop_vs_plain",
     "hidden_gpu_notice",
+    "device_seconds",
 )
 PROVEN_ON_CPU = ("deterministic", "local_dp", "amp_modes", "lora_checkpointing")
 
