@@ -337,12 +337,11 @@ def sent_hashes(context: Context) -> list[str]:
     return list(context.state[SENT]["sha256"]) if SENT in context.state else []
 
 
-def remember_reply(arrays: ArrayRecord, record: dict, context: Context) -> None:
-    """With the ledger on, hash the reply's arrays as they go on the wire, the way the server's
-    ledger does (`reply_sha256`), and keep the hash (state; `state-dir`) for the receipt to come."""
+def remember_reply(digest: str, record: dict, context: Context) -> None:
+    """With the ledger on, keep `digest`, the hash of the reply's arrays as they go on the wire (the
+    server ledger's `reply_sha256`), in the node's state and `state-dir`, for the receipt to come."""
     if not record.get(LEDGER_ON):
         return
-    digest = arrays_digest(arrays)
     context.state[SENT] = ConfigRecord({"sha256": [*sent_hashes(context), digest][-SENT_KEPT:]})
     _keep_line(context, {"node_id": context.node_id, "sent_sha256": digest, "round": int(record.get(SERVER_ROUND, 0))})
 
@@ -545,13 +544,15 @@ def train_handler(msg: Message, context: Context) -> Message:
     else:
         job, state, metrics, seed = trained(msg, context)
         record, arrays = job.record, reply_arrays(job, state, context, seed, metrics)
-    remember_reply(arrays, record, context)
+    key = work_key_path(context)
+    digest = arrays_digest(arrays) if record.get(LEDGER_ON) or key else ""  # hashed once, used by both
+    remember_reply(digest, record, context)
     content = RecordDict(
         {
             ARRAYS: arrays,
             METRICS: MetricRecord(metrics),
             **about_node(context),
-            **work_record(record, context, arrays, metrics),
+            **work_record(record, context, key, digest, metrics),
         }
     )
     return Message(content=content, reply_to=msg)
@@ -567,11 +568,11 @@ def work_key_path(context: Context) -> str | None:
 
 
 def work_record(
-    record: dict, context: Context, arrays: ArrayRecord, metrics: dict[str, Any]
+    record: dict, context: Context, path: str | None, digest: str, metrics: dict[str, Any]
 ) -> dict[str, ConfigRecord]:
-    """With a work key, the reply's signed record of the work behind `arrays` (app/ledger/work.py):
-    the task's run and nonce, this node, the reply's counts and seconds and the arrays' sha256."""
-    if (path := work_key_path(context)) is None or REGION_SUPERLINK in context.node_config:
+    """With a work key at `path`, the reply's signed record of its work (app/ledger/work.py): the
+    task's run and nonce, this node, the reply's counts and seconds and its arrays' sha256 `digest`."""
+    if path is None or REGION_SUPERLINK in context.node_config:
         return {}
     from app.ledger.work import load_private_key, sign_work  # imported here: most nodes sign nothing
 
@@ -585,7 +586,7 @@ def work_record(
         "steps": int(metrics.get(STEPS, 0)),
         "wall_s": float(metrics.get(WALL_TIME_S, 0.0)),
         "device_s": float(metrics.get(DEVICE_S, 0.0)),
-        "arrays_sha256": arrays_digest(arrays),
+        "arrays_sha256": digest,
     }
     return {WORK: ConfigRecord(sign_work(load_private_key(path), claims))}
 

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's `app`, ahead of any installed copy
 
 from app.run.results import read_rows  # noqa: E402
+from app.status.channel import paho_client  # noqa: E402
 from app.tools.broker import LocalBroker, missing  # noqa: E402
 from app.tools.sweep import run_in_simulation  # noqa: E402
 from bench.flwr_runs import app_copy  # noqa: E402
@@ -42,9 +43,7 @@ FEDERATION = "num-supernodes=5 client-resources-num-cpus=1"
 def heartbeat_counter(broker: LocalBroker) -> tuple[mqtt.Client, dict[str, int]]:
     """A subscriber (the `watcher` user) counting node heartbeats per run."""
     counts: dict[str, int] = {}
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-    client.username_pw_set("watcher", "watcher-secret")
-    client.tls_set(ca_certs=str(broker.ca))
+    client = paho_client(broker.watcher(), "bench-sub")
     client.on_connect = lambda c, *_: c.subscribe("fedgpu/nodes/#", qos=1)
     lock = threading.Lock()
 

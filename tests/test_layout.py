@@ -76,7 +76,7 @@ LAYERS: dict[str, frozenset[str]] = {
     ),
     "app/server_app.py": frozenset({"app/config/", "app/run/", "app/task/", "strategies/"}),
     "app/tools/": frozenset(
-        {"app/client_app.py", "app/config/", "app/ledger/", "app/run/", "app/simulation/", "strategies/"}
+        {"app/client_app.py", "app/config/", "app/ledger/", "app/run/", "app/simulation/", "app/status/", "strategies/"}
     ),
     "app/sweep.py": frozenset({"app/tools/"}),
     "app/report.py": frozenset({"app/tools/"}),

@@ -20,7 +20,6 @@ from websockets.sync.client import connect
 from app.live.feed import Feed
 from app.live.runs import RunView, Tail, find_run_dirs
 from app.live.server import LiveServer
-from app.status.channel import Broker
 from app.tools.broker import LocalBroker, missing
 from app.tools.in_process import run_in_process
 from tests.helpers import ROOT
@@ -156,8 +155,7 @@ def test_runs_known_only_from_the_status_channel(tmp_path, monkeypatch):
     broker = LocalBroker(tmp_path / "broker")
     for key, value in broker.node_env().items():
         monkeypatch.setenv(key, value)
-    watcher = Broker("127.0.0.1", broker.port, ca_file=str(broker.ca), username="watcher", password="watcher-secret")
-    feed = Feed(watcher)
+    feed = Feed(broker.watcher())
     (tmp_path / "empty").mkdir()
     served = Served(tmp_path / "empty", feed)
     try:

@@ -11,13 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
 import pytest
 import torch
 
 from app.config.schema import ConfigError, MqttConfig
 from app.run.results import read_rows
 from app.status.alerts import AlertRules
+from app.status.channel import paho_client
 from app.status.schema import ALERTS, VERSION
 from app.status.server import RunStatus
 from app.tools.broker import LocalBroker, missing
@@ -35,12 +35,9 @@ class Subscriber:
     def __init__(self, broker: LocalBroker) -> None:
         self.messages: list[tuple[str, dict[str, Any], bool]] = []
         self.lock = threading.Lock()
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-        client.username_pw_set("watcher", "watcher-secret")
-        client.tls_set(ca_certs=str(broker.ca))
+        client = paho_client(broker.watcher(), "test-sub")
         client.on_connect = lambda c, *_: c.subscribe("fedgpu/#", qos=1)
         client.on_message = self._on_message
-        client.reconnect_delay_set(min_delay=1, max_delay=2)
         client.connect("127.0.0.1", broker.port)
         client.loop_start()
         self.client = client

@@ -11,10 +11,8 @@ import queue
 import time
 from typing import Any
 
-import paho.mqtt.client as mqtt
-
 from app.live.runs import RunView
-from app.status.channel import Broker
+from app.status.channel import Broker, paho_client
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -25,14 +23,9 @@ class Feed:
     def __init__(self, broker: Broker, prefix: str = "fedgpu") -> None:
         self.prefix = prefix
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=100_000)
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-        if broker.username:
-            client.username_pw_set(broker.username, broker.password)
-        if broker.ca_file:
-            client.tls_set(ca_certs=broker.ca_file, certfile=broker.cert, keyfile=broker.key)
+        client = paho_client(broker, "fedgpu-live")
         client.on_connect = lambda c, *_: c.subscribe(f"{prefix}/#", qos=1)
         client.on_message = self._on_message
-        client.reconnect_delay_set(min_delay=1, max_delay=5)
         client.connect_async(broker.host, broker.port, keepalive=30)
         client.loop_start()
         self.client = client

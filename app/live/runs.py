@@ -140,7 +140,8 @@ class RunView:
         for entry in self._ledger.new() if self._ledger else []:
             self.add_entry(entry)
             grew = True
-        summary = _summary(self.path)
+        # a finished run's summary changes only when the run goes on (a resume), which adds rows first
+        summary = _summary(self.path) if grew or self.status == "running" else None
         if summary is not None and summary.get("status") != self.status:
             self.status, self.why = str(summary.get("status")), summary.get("stop_reason")
             self.add_alerts(self.rules.of_end(self.rows[-1].get("round") if self.rows else None, self.why))
@@ -188,11 +189,12 @@ def is_run_dir(path: Path) -> bool:
         return False
 
 
-def find_run_dirs(root: Path, depth: int = 3) -> list[Path]:
+def find_run_dirs(root: Path, depth: int = 3, known: frozenset[Path] = frozenset()) -> list[Path]:
     """`root` if it is a run, else the runs at most `depth` levels below it (sweep jobs included),
-    hidden directories skipped."""
+    hidden directories skipped; directories in `known` are taken as runs without reading them again."""
     root = Path(root)
-    if is_run_dir(root):
+    is_run = lambda d: d in known or is_run_dir(d)  # noqa: E731
+    if is_run(root):
         return [root]
     found: list[Path] = []
     frontier = [root]
@@ -204,6 +206,6 @@ def find_run_dirs(root: Path, depth: int = 3) -> list[Path]:
             except OSError:
                 continue
             for child in children:
-                (found if is_run_dir(child) else nxt).append(child)
+                (found if is_run(child) else nxt).append(child)
         frontier = nxt
     return found

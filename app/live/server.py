@@ -45,7 +45,8 @@ class LiveServer:
     def refresh(self) -> list[str]:
         """The names of the runs that changed: new directories found, files grown, feed messages."""
         changed = []
-        for path in find_run_dirs(self.root):
+        known = frozenset(v.path for v in self.views.values() if v.path is not None)
+        for path in find_run_dirs(self.root, known=known):  # only new directories' configs are read
             key = str(path.relative_to(self.root)) if path != self.root else path.name
             if key not in self.views:
                 self.views[key] = RunView.of_dir(path)

@@ -41,6 +41,23 @@ class Broker:
     queue: int = 1000
 
 
+def paho_client(broker: Broker, client_id: str) -> mqtt.Client:
+    """A paho client for `broker` (its TLS and login; reconnecting every 1-5 s: a status channel
+    should be back within seconds), not yet connected. The publisher and the live page's
+    subscriber (app/live/feed.py) both start here."""
+    # at most 23 characters: what MQTT 3.1.1 obliges a broker to accept
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{client_id[:10]}-{uuid.uuid4().hex[:12]}")
+    if broker.username:
+        client.username_pw_set(broker.username, broker.password)
+    if broker.ca_file or broker.ca_pem:
+        context = ssl.create_default_context(cafile=broker.ca_file, cadata=broker.ca_pem)
+        if broker.cert:
+            context.load_cert_chain(broker.cert, broker.key)
+        client.tls_set_context(context)
+    client.reconnect_delay_set(min_delay=1, max_delay=5)
+    return client
+
+
 class Channel:
     """One connection to the broker, shared by whoever publishes in this process."""
 
@@ -49,17 +66,8 @@ class Channel:
         self._lock = threading.Lock()
         self.sent = self.delivered = self.dropped = 0
         self._retained: dict[str, dict[str, Any]] = {}  # topic -> its latest dropped retained payload
-        # at most 23 characters: what MQTT 3.1.1 obliges a broker to accept
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{client_id[:10]}-{uuid.uuid4().hex[:12]}")
-        if broker.username:
-            client.username_pw_set(broker.username, broker.password)
-        if broker.ca_file or broker.ca_pem:
-            context = ssl.create_default_context(cafile=broker.ca_file, cadata=broker.ca_pem)
-            if broker.cert:
-                context.load_cert_chain(broker.cert, broker.key)
-            client.tls_set_context(context)
+        client = paho_client(broker, client_id)
         client.max_queued_messages_set(broker.queue)
-        client.reconnect_delay_set(min_delay=1, max_delay=5)  # a status channel: back within seconds
         if will is not None:  # the broker publishes it if this connection dies without a goodbye
             client.will_set(will[0], json.dumps(will[1]), qos=broker.qos, retain=True)
         client.on_publish = self._on_publish

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from app.status.channel import Broker
 from app.tools.processes import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,6 +92,10 @@ class LocalBroker:
             f"monitoring.mqtt.password_file={self.root / 'server.pw'}",
             f"monitoring.mqtt.queue={queue}",
         ]
+
+    def watcher(self) -> Broker:
+        """This broker as a `watcher` (who reads every topic) connects to it."""
+        return Broker("127.0.0.1", self.port, ca_file=str(self.ca), username="watcher", password="watcher-secret")
 
     def node_env(self) -> dict[str, str]:
         """Simulated nodes' credentials (the environment of the `flwr run` that starts the SuperLink)."""
