@@ -292,3 +292,77 @@ def test_a_vocabulary_smaller_than_the_datas_tokens_is_refused_before_round_1() 
     spec = DataSpec((8,), 259, causal_lm=True)
     with pytest.raises(ConfigError, match="vocabulary of at least the 259 token ids"):
         check_fits(hf_model(cfg, spec), cfg, spec, torch.zeros(2, 8, dtype=torch.long))
+
+
+def _bpe(merges: list[tuple[str, str]]):  # noqa: ANN202 - a transformers fast tokenizer
+    """A byte-pair tokenizer over a fixed vocabulary whose merges decide how "abc" splits."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 4, "ab": 5, "bc": 6, " ": 7}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_the_token_cache_follows_labels_files_and_the_whole_tokenizer(tmp_path: Path) -> None:
+    """Audit 3, finding 11: a cache entry is keyed on everything that makes its rows. Each case
+    changes one thing the old key ignored and expects the rows a fresh tokenization gives."""
+    cache = tmp_path / "cache"
+    byte = load_tokenizer(ModelConfig(name="hf"))
+
+    def rows(path: Path, tok, causal: bool, block: int = 8) -> dict[str, np.ndarray]:  # noqa: ANN001
+        cfg = DatasetConfig(name="text", path=str(path), cache_dir=str(cache), block_size=block)
+        cached = tokenize(read_texts(cfg, str(path)), tok, cfg, causal)
+        fresh = tokenize(read_texts(cfg, str(path)), tok, replace(cfg, cache_dir=None), causal)
+        for key in fresh:
+            np.testing.assert_array_equal(cached[key], fresh[key], err_msg=key)
+        return cached
+
+    # labels: a site corrects them
+    site = tmp_path / "site.jsonl"
+    texts = ["great film", "awful film", "fine film", "bad film"]
+    for labels in ([0, 0, 0, 0], [1, 0, 1, 0]):
+        site.write_text("".join(json.dumps({"text": t, "label": lab}) + "\n" for t, lab in zip(texts, labels)))
+        assert rows(site, byte, causal=False)["y"].tolist() == labels
+    # files: the same texts in one file, then in two (causal blocks never cross a file)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    (one / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for i, t in enumerate(texts):
+        (two / f"{i}.jsonl").write_text(json.dumps({"text": t}) + "\n")
+    assert len(set(rows(one, byte, causal=True)["groups"].tolist())) == 1
+    assert len(set(rows(two, byte, causal=True)["groups"].tolist())) == 4
+    # the tokenizer's merges: one vocabulary, two ways to split "abc"
+    abc = tmp_path / "abc.jsonl"
+    abc.write_text(json.dumps({"text": "abc abc abc", "label": 1}) + "\n" + json.dumps({"text": "cab", "label": 0}) + "\n")
+    first = rows(abc, _bpe([("a", "b")]), causal=False)["x"]
+    second = rows(abc, _bpe([("b", "c")]), causal=False)["x"]
+    assert first[0, :2].tolist() == [5, 4] and second[0, :2].tolist() == [2, 6]
+
+
+def test_a_cache_entry_that_cannot_be_the_rows_is_replaced(corpus: Path, tmp_path: Path, caplog) -> None:
+    """Audit 3, finding 11: cached arrays are checked (names, dtype, shape, token ids within the
+    vocabulary) before use; a bad entry is tokenized again and rewritten, with a warning."""
+    cfg = DatasetConfig(name="text", path=str(corpus), block_size=32, cache_dir=str(tmp_path))
+    tok = load_tokenizer(ModelConfig(name="hf"))
+    texts = read_texts(cfg, str(corpus))
+    good = tokenize(texts, tok, cfg, causal=True)
+    (entry,) = tmp_path.glob("*.npz")
+    bad = [
+        {**good, "x": good["x"] + len(tok)},  # ids beyond the vocabulary
+        {**good, "x": good["x"].astype(np.int32)},
+        {**good, "y": good["y"][:, :-1]},
+        {"x": good["x"], "y": good["y"]},
+    ]
+    for arrays in bad:
+        with entry.open("wb") as f:
+            np.savez(f, **arrays)
+        caplog.clear()
+        again = tokenize(texts, tok, cfg, causal=True)
+        for key in good:
+            np.testing.assert_array_equal(again[key], good[key])
+        assert "tokenizing again" in caplog.text
+    entry.write_bytes(b"not an npz")
+    np.testing.assert_array_equal(tokenize(texts, tok, cfg, causal=True)["x"], good["x"])
+    with np.load(entry) as f:  # rewritten
+        np.testing.assert_array_equal(f["x"], good["x"])

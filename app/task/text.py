@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,14 +134,62 @@ def _labels(labels: list[Any], where: str, key: str) -> list[int] | None:
     return [int(v) for v in targets(np.asarray(labels), f"{where}: {key!r}")]
 
 
+CACHE_FORMAT = 2  # bump when what a cache entry holds, or how rows are made, changes
+
+
+def tokenizer_digest(tokenizer: Any) -> str:  # noqa: ANN401
+    """The whole tokenizer, as `save_pretrained` writes it (vocabulary, merges, normalizer,
+    special and added tokens, settings): two tokenizers that split any text differently differ
+    here. Costs milliseconds; tokenizing a corpus costs seconds."""
+    h = hashlib.blake2b(digest_size=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for f in sorted(Path(tmp).rglob("*")):
+            if f.is_file():
+                h.update(f.relative_to(tmp).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return f"{type(tokenizer).__name__}:{h.hexdigest()}"
+
+
 def _digest(texts: Texts, tokenizer: Any, cfg: DatasetConfig, causal: bool) -> str:  # noqa: ANN401
-    """What a token cache entry depends on: the texts, the tokenizer's vocabulary, the block size and the task."""
+    """Everything a token cache entry's rows depend on: the texts, their labels, which file each
+    came from, the whole tokenizer, the block size, the task and the cache format."""
     h = hashlib.blake2b(digest_size=16)
     for t in texts.texts:
         h.update(t.encode("utf-8", "surrogatepass") + b"\0")
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    h.update(f"{type(tokenizer).__name__}|{vocab}|{cfg.block_size}|{causal}".encode())
+    labels = "none" if texts.labels is None else json.dumps(texts.labels)
+    h.update(f"labels|{labels}|".encode())
+    h.update(np.ascontiguousarray(texts.groups, dtype=np.int64).tobytes())
+    h.update(f"|{tokenizer_digest(tokenizer)}|{cfg.block_size}|{causal}|{CACHE_FORMAT}".encode())
     return h.hexdigest()
+
+
+def _cache_problem(arrays: dict[str, np.ndarray], texts: Texts, vocab: int, block: int, causal: bool) -> str | None:
+    """Why cached arrays cannot be what tokenizing `texts` gives (None when they can): names,
+    dtypes, shapes, token ids within the vocabulary, labels and files those of the texts. A cache
+    entry is a file anyone with the directory can replace; it must not bypass these checks."""
+    if set(arrays) != {"x", "y", "groups"}:
+        return f"holds {sorted(arrays)}, not x, y, groups"
+    x, y, groups = arrays["x"], arrays["y"], arrays["groups"]
+    if any(a.dtype != np.int64 for a in (x, y, groups)):
+        return f"dtypes {x.dtype}, {y.dtype}, {groups.dtype}, not int64"
+    n = len(x)
+    if x.ndim != 2 or x.shape[1] != block or groups.shape != (n,):
+        return f"shapes {x.shape}, {groups.shape} for blocks of {block}"
+    if causal:
+        if y.shape != x.shape or n == 0:
+            return f"next tokens of shape {y.shape} for blocks {x.shape}"
+        if x.min() < 0 or max(int(x.max()), int(y.max())) >= vocab or y.min() < 0:
+            return f"token ids outside [0, {vocab})"
+    else:
+        if y.shape != (n,) or n != len(texts.texts):
+            return f"{y.shape} labels for {len(texts.texts)} texts"
+        if ((x < 0) & (x != PAD)).any() or int(x.max(initial=0)) >= vocab:
+            return f"token ids outside [0, {vocab}) (or the pad {PAD})"
+        if texts.labels is None or not np.array_equal(y, np.asarray(texts.labels, dtype=np.int64)):
+            return "labels other than the texts'"
+    if not np.isin(groups, texts.groups).all():
+        return "files the texts do not come from"
+    return None
 
 
 def tokenize(texts: Texts, tokenizer: Any, cfg: DatasetConfig, causal: bool) -> dict[str, np.ndarray]:  # noqa: ANN401
@@ -150,8 +200,15 @@ def tokenize(texts: Texts, tokenizer: Any, cfg: DatasetConfig, causal: bool) -> 
         Path(cfg.cache_dir).expanduser() / f"{_digest(texts, tokenizer, cfg, causal)}.npz" if cfg.cache_dir else None
     )
     if cache is not None and cache.is_file():
-        with np.load(cache) as f:
-            return {k: f[k] for k in f.files}
+        try:
+            with np.load(cache, allow_pickle=False) as f:
+                cached = {k: f[k] for k in f.files}
+            problem = _cache_problem(cached, texts, len(tokenizer), cfg.block_size, causal)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            problem = f"unreadable ({err})"
+        if problem is None:
+            return cached
+        log.warning("token cache %s: %s; tokenizing again and replacing it", cache, problem)
     out = _blocks(texts, tokenizer, cfg.block_size) if causal else _rows(texts, tokenizer, cfg.block_size)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
