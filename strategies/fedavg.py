@@ -273,7 +273,13 @@ class FedAvg(Strategy):
             names=self.wiring.names,
         )
         self.seen.update(nodes)
+        nodes = self.eligible(nodes)
         return self.sampler.sample(nodes, min(wanted, len(nodes)))
+
+    def eligible(self, nodes: list[int]) -> list[int]:
+        """The connected nodes a round may sample: all of them (SecureFedAvg leaves out the nodes it
+        excluded for the run)."""
+        return nodes
 
     def fewest_nodes(self, minimum: int) -> int:
         """The smallest training cohort a round can go on with: `minimum`, or more for a rule that

@@ -979,7 +979,13 @@ def _validate_secagg(p: Problems, cfg: Config) -> None:
         "distributed DP's noise needs room the 2-byte ring of compression=int8 does not have: use compression=none",
     )
     p.require(sa.threshold >= 0, "secagg.threshold", sa.threshold, "must be >= 2, or 0 for the default")
-    p.require(sa.threshold != 1, "secagg.threshold", sa.threshold, "one share would reveal a secret: use >= 2")
+    p.require(
+        sa.threshold not in (1, 2),
+        "secagg.threshold",
+        sa.threshold,
+        "a round could finish with that many contributors, and with 2 each learns the other's update from the sum "
+        "(with 1 a share is the secret): use >= 3, or 0 for the default",
+    )
     p.require(sa.degree >= 0, "secagg.degree", sa.degree, "must be >= 1, or 0 for the default")
     p.require(sa.clipping_range > 0, "secagg.clipping_range", sa.clipping_range, "must be > 0")
     p.require(sa.quantization_range >= 2, "secagg.quantization_range", sa.quantization_range, "must be >= 2")

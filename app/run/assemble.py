@@ -521,7 +521,10 @@ def pinned_base(cfg: Config, model: Model) -> dict[str, str]:
 def resume(run: Run, ckpt: Checkpoint, path: Path) -> None:
     """Apply a checkpoint's state to a run assembled from it: the strategy's state, its sampler,
     the rounds and wall time done, and the virtual clock's time (tasks out at the crash are lost)."""
-    run.strategy.load_state_dict(ckpt.strategy_state)
+    try:
+        run.strategy.load_state_dict(ckpt.strategy_state)
+    except ValueError as err:  # a strategy's state it cannot take: name the file beside the value
+        raise ValueError(f"resume={path}: {err}") from err
     restore_rng(ckpt.rng, run.strategy.sampler)
     run.elapsed_before = ckpt.wall_time_s
     if run.clock is not None and run.recorder.rows:
