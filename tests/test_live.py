@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import threading
@@ -17,9 +18,12 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from app.live.feed import Feed
+from app.live import runs as runs_module
+from app.live.feed import MAX_HEARTBEAT, Feed, NodeLogins
 from app.live.runs import RunView, Tail, find_run_dirs
 from app.live.server import LiveServer
+from app.status.channel import Broker, paho_client
+from app.status.schema import VERSION, payload
 from app.tools.broker import LocalBroker, missing
 from app.tools.in_process import run_in_process
 from tests.helpers import ROOT
@@ -28,8 +32,14 @@ FAST = "federation.rounds={rounds} train.epochs=1 seed=5"
 ARTIFACTS = Path(os.environ.get("FEDGPU_TEST_ARTIFACTS", ROOT / "test-artifacts"))  # git ignores it
 
 
+def strict(text: str):  # noqa: ANN201
+    """JSON as a browser's JSON.parse reads it: no NaN, Infinity or -Infinity."""
+    return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"not JSON: {c}")))
+
+
 class Served:
-    """A LiveServer on a free loopback port, in a thread of its own, until `close()`."""
+    """A LiveServer on a free loopback port, in a thread of its own, until `close()`; `url` is the
+    address the command prints (with the token), `base` the bare one."""
 
     def __init__(self, root: Path, feed: Feed | None = None) -> None:
         self.server = LiveServer(root, interval=0.2, feed=feed)
@@ -46,7 +56,9 @@ class Served:
         self.thread = threading.Thread(target=lambda: self._run(main()), daemon=True)
         self.thread.start()
         assert ready.wait(60), "the live server did not start"
-        self.url = f"http://127.0.0.1:{self.server.port}/"
+        self.base = f"http://127.0.0.1:{self.server.port}/"
+        self.url = f"{self.base}?token={self.server.token}"
+        self.ws = f"ws://127.0.0.1:{self.server.port}/ws"
 
     def _run(self, coro) -> None:  # noqa: ANN001
         self.task = self.loop.create_task(coro)
@@ -95,6 +107,52 @@ def test_a_torn_line_waits_for_its_end(tmp_path):
     assert tail.new() == [{"round": 2, "loss": 0.5}]
 
 
+def test_a_torn_tail_is_read_once_and_a_too_long_line_is_skipped(tmp_path, monkeypatch, caplog):
+    """Issue 48, finding 13: a torn last line is kept from where the last poll stopped, not read
+    again whole every poll; a line longer than runs.MAX_LINE is skipped (counted, with a warning);
+    a poll reads at most runs.READ_MAX bytes, so a big file is taken in bounded steps."""
+    caplog.set_level(logging.WARNING, logger="flwr.fedgpu")
+    monkeypatch.setattr(runs_module, "MAX_LINE", 100)
+    monkeypatch.setattr(runs_module, "READ_MAX", 64)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 1}\n{"round": 2, "train": {"' + "x" * 20)  # torn, within one read
+    tail = Tail(path)
+    rows = tail.new()
+    assert rows == [{"round": 1}] and tail.offset == path.stat().st_size  # the torn part is not read again
+    assert tail.new() == [] and tail.offset == path.stat().st_size
+    with path.open("a") as f:
+        f.write('": 1}}\n' + '{"round": 3, "pad": "' + "y" * 150 + '"}\n{"round": 4}\n')  # 3 is too long
+    got = []
+    while tail.offset < path.stat().st_size:  # READ_MAX bytes a poll
+        before = tail.offset
+        got += tail.new()
+        assert 0 < tail.offset - before <= 64
+    assert [r["round"] for r in got] == [2, 4] and tail.skipped == 1
+    assert "longer than 100 bytes" in caplog.text
+    with path.open("a") as f:  # a too-long line still torn: dropped as it comes, never held whole
+        f.write('{"round": 5, "pad": "' + "z" * 200)
+    while tail.offset < path.stat().st_size:
+        assert tail.new() == []
+    assert len(tail.partial) <= 100 and tail.skipped == 2
+    with path.open("a") as f:
+        f.write('"}\n{"round": 6}\n')
+    assert tail.new() == [{"round": 6}]
+
+
+def test_the_pages_messages_are_strict_json(tmp_path):
+    """A NaN in a row (a diverged loss) reaches the page as null: a bare NaN would make the
+    browser's JSON.parse throw on every message holding the run."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text("federation:\n  rounds: 3\n")
+    rows = [{"round": 1, "accuracy": 0.5, "loss": float("nan")}, {"round": 2, "loss": float("inf")}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = LiveServer(tmp_path)
+    server.refresh()
+    (shown,) = strict(server.message("snapshot", sorted(server.views)))["runs"]
+    assert [r["loss"] for r in shown["rows"]] == [None, None] and shown["loss"] is None
+
+
 def test_alerts_of_a_run_on_disk(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
@@ -112,25 +170,74 @@ def test_alerts_of_a_run_on_disk(tmp_path):
     assert [(a["alert"], a["step"]) for a in view.alerts] == [("node_rejected", 1), ("target_reached", 2)]
 
 
-def test_the_page_its_files_and_nothing_else_are_served(served):
-    import urllib.error
+def _get(url: str, **headers: str):  # noqa: ANN202
     import urllib.request
 
-    with urllib.request.urlopen(served.url) as page:
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers))
+
+
+def test_the_page_its_files_and_nothing_else_are_served(served):
+    import urllib.error
+
+    with _get(served.url) as page:
         assert page.headers["Content-Type"].startswith("text/html") and b"live.js" in page.read()
         assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+        cookie = page.headers["Set-Cookie"].split(";", 1)[0]  # what the browser sends from then on
     for name in ("live.js", "live.css", "uPlot.iife.min.js", "uPlot.min.css"):
-        with urllib.request.urlopen(served.url + "static/" + name) as f:
+        with _get(served.base + "static/" + name, Cookie=cookie) as f:
             assert f.status == 200 and len(f.read()) > 100
     for path in ("static/../runs.py", "static/%2e%2e/runs.py", "runs.py", "static/nope.js", "etc/passwd"):
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(served.url + path)
+            _get(served.base + path, Cookie=cookie)
         assert err.value.code == 404, path
+
+
+def test_the_page_and_its_websocket_need_the_token(served):
+    """Issue 48, finding 12: any local user can reach 127.0.0.1 and claim the page's Origin, so the
+    page, its files and the WebSocket need the random token the command prints (in the URL's query,
+    then the cookie the page sets, or an `Authorization: token ...` header, as Jupyter does)."""
+    import urllib.error
+
+    token = served.server.token
+    refusals = [
+        (served.base, {}),
+        (served.base + "?token=" + token[:-1] + ("A" if token[-1] != "A" else "B"), {}),
+        (served.base + "static/live.js", {}),
+        (served.base, {"Cookie": f"fedgpu-live-{served.server.port + 1}={token}"}),  # another page's cookie
+        (served.base, {"Authorization": "token nope"}),
+    ]
+    for url, headers in refusals:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _get(url, **headers)
+        assert err.value.code == 403, (url, headers)
+    with _get(served.url) as page:
+        assert page.status == 200
+        cookie = page.headers["Set-Cookie"]
+    assert cookie.startswith(f"fedgpu-live-{served.server.port}={token};")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    with _get(served.base + "static/live.js", Authorization=f"token {token}") as f:
+        assert f.status == 200
+    origin = served.base.rstrip("/")
+    for headers in ({}, {"Cookie": "fedgpu-live-1=x"}, {"Authorization": "token nope"}):
+        with pytest.raises(InvalidStatus) as err:
+            connect(served.ws, origin=origin, additional_headers=headers)  # the page's Origin, no token
+        assert err.value.response.status_code == 403
+    with pytest.raises(InvalidStatus) as err:
+        connect(served.ws + "?token=" + token, origin="http://evil.example")  # the token, a foreign page
+    assert err.value.response.status_code == 403
+    for url, headers in (
+        (served.ws + "?token=" + token, {}),
+        (served.ws, {"Cookie": cookie.split(";", 1)[0]}),
+        (served.ws, {"Authorization": f"token {token}"}),
+    ):
+        with connect(url, origin=origin, additional_headers=headers) as ws:
+            assert strict(ws.recv(timeout=60))["type"] == "snapshot"
+    assert LiveServer(served.server.root).token != token  # a new one each start
 
 
 def test_only_the_pages_own_origin_may_open_the_websocket(served, tmp_path):
     summary, _ = run_in_process(FAST.format(rounds=1), tmp_path / "runs", nodes=2)
-    ws_url = f"ws://127.0.0.1:{served.server.port}/ws"
+    ws_url = f"{served.ws}?token={served.server.token}"
     with pytest.raises(InvalidStatus) as err:
         connect(ws_url, origin="http://evil.example")
     assert err.value.response.status_code == 403
@@ -138,7 +245,7 @@ def test_only_the_pages_own_origin_may_open_the_websocket(served, tmp_path):
         connect(ws_url)  # no Origin: not a page of ours either
     deadline = time.monotonic() + 60
     while True:  # the server's next look (interval 0.2 s) reads the finished run's summary
-        with connect(ws_url, origin=served.url.rstrip("/")) as ws:
+        with connect(ws_url, origin=served.base.rstrip("/")) as ws:
             snapshot = json.loads(ws.recv(timeout=60))
         if any(r["status"] == "completed" for r in snapshot["runs"]) or time.monotonic() > deadline:
             break
@@ -155,7 +262,7 @@ def test_runs_known_only_from_the_status_channel(tmp_path, monkeypatch):
     broker = LocalBroker(tmp_path / "broker")
     for key, value in broker.node_env().items():
         monkeypatch.setenv(key, value)
-    feed = Feed(broker.watcher())
+    feed = Feed(broker.watcher(), logins=NodeLogins({"node": None}))  # simulated nodes share one login
     (tmp_path / "empty").mkdir()
     served = Served(tmp_path / "empty", feed)
     try:
@@ -178,6 +285,109 @@ def test_runs_known_only_from_the_status_channel(tmp_path, monkeypatch):
     shown = view.as_dict()
     assert [r["round"] for r in shown["rows"]] == [1, 2] and shown["metric"] == summary["final_metric"]
     assert {n["heartbeat"] for n in shown["nodes"].values()} == {"train finished"}
+
+
+def _site(broker: LocalBroker, login: str):  # noqa: ANN202
+    client = paho_client(broker.login(login), f"test-{login}")
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    return client
+
+
+def test_a_site_can_neither_spoof_freeze_flood_nor_stop_the_pages_feed(tmp_path, caplog):
+    """Issue 48, finding 10 (audit-3 mqtt_site_vs_live_page.py), on a real Mosquitto with the shipped
+    ACL: a site's login writes only its own node topics, and the page takes a heartbeat only for a
+    node that login may speak for (`--node-logins`); its time is the page's time of receipt; NaN,
+    deep nesting, a node level that is no node id and a retained heartbeat are refused, counted, and
+    the feed goes on; a run shows at most `max_nodes` nodes and says how many updates it left out."""
+    if (why := missing()) is not None:
+        pytest.skip(why)
+    broker = LocalBroker(tmp_path / "broker")
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("federation:\n  rounds: 3\n")
+    caplog.set_level(logging.WARNING, logger="flwr.fedgpu")
+    node, other = _site(broker, "node"), _site(broker, "site-b")
+
+    def send(client, topic: str, body: str | dict, retain: bool = False) -> None:  # noqa: ANN001
+        text = body if isinstance(body, str) else json.dumps(body)
+        client.publish(topic, text, qos=1, retain=retain).wait_for_publish(timeout=30)
+
+    # retained before the page subscribes: the broker would hand it to every page that comes later
+    send(node, "fedgpu/nodes/node/1002/tasks", payload(node=1002, run="r1", task="train", state="failed"), True)
+    feed = Feed(broker.watcher(), logins=NodeLogins({"node": None, "site-b": frozenset({"2000"})}))
+    server = LiveServer(tmp_path / "runs", feed=feed, max_nodes=20)
+    future = {"v": VERSION, "time": "9999-12-31T23:59:59.999+00:00", "run": "r1", "task": "train", "step": 1}
+    try:
+        deadline = time.monotonic() + 60
+        while not (feed.client.is_connected() and node.is_connected() and other.is_connected()):
+            assert time.monotonic() < deadline, "the test's clients could not connect"
+            time.sleep(0.05)
+        send(node, "fedgpu/nodes/node/1000/tasks", payload(node=1000, run="r1", task="train", state="started", step=1))
+        send(node, "fedgpu/nodes/node/1001/tasks", {**future, "node": 1001, "state": "failed"})
+        send(node, "fedgpu/nodes/node/1001/tasks", payload(node=1001, run="r1", task="train", state="finished", step=2))
+        send(other, "fedgpu/nodes/site-b/1000/tasks", {**future, "node": 1000, "state": "failed"})  # not its node
+        send(other, "fedgpu/nodes/node/1000/tasks", {**future, "node": 1000, "state": "failed"})  # the ACL drops it
+        send(
+            node,
+            "fedgpu/nodes/node/1000/tasks",
+            '{"run": "r1", "node": 1000, "task": "train", "state": "x", "step": NaN}',
+        )
+        send(node, "fedgpu/nodes/node/1000/tasks", "[" * 20_000)
+        send(node, "fedgpu/nodes/node/1000/tasks", json.dumps({"run": "r1", "pad": "x" * MAX_HEARTBEAT}))
+        send(node, "fedgpu/nodes/node/abc/tasks", payload(node="abc", run="r1", task="train", state="started"))
+        send(node, "fedgpu/nodes/node/1000/tasks", payload(node=1001, run="r1", task="train", state="failed"))
+        for i in range(30):  # a flood of nodes the shared login may speak for
+            send(node, f"fedgpu/nodes/node/{3000 + i}/tasks", payload(node=3000 + i, run="r1", task="x", state="y"))
+        send(node, "fedgpu/nodes/node/1000/tasks", payload(node=1000, run="r1", task="train", state="finished", step=1))
+        deadline = time.monotonic() + 60
+        while True:
+            server.refresh()
+            if (n := server.views["r1"].nodes.get("1000")) is not None and n.heartbeat == "train finished":
+                break
+            assert time.monotonic() < deadline, (feed.counts(), server.views["r1"].nodes)
+            time.sleep(0.1)
+        alive = feed.client.is_connected()
+        snapshot = strict(server.message("snapshot", sorted(server.views)))
+    finally:
+        for client in (node, other):
+            client.loop_stop()
+            client.disconnect()
+        feed.close()
+        broker.stop()
+    assert alive
+    (shown,) = snapshot["runs"]
+    assert len(shown["nodes"]) == 20 and {"1000", "1001"} <= set(shown["nodes"]) and "2000" not in shown["nodes"]
+    assert shown["nodes_left_out"] == 12  # 30 flooded + 2 real nodes, 20 shown
+    assert shown["nodes"]["1001"]["heartbeat"] == "train finished" and shown["nodes"]["1001"]["last_step"] == 2
+    assert all(n["last_seen"] is None or n["last_seen"] < "9999" for n in shown["nodes"].values())
+    assert feed.counts() == {
+        "a login speaking for a node it does not own": 1,
+        "not strict JSON (NaN, Infinity, or nested too deeply)": 2,
+        f"a heartbeat over {MAX_HEARTBEAT} bytes": 1,
+        "a topic that is not <prefix>/nodes/<login>/<node id>/tasks": 1,
+        "a payload naming another node than its topic": 1,
+        "a retained heartbeat (a node never retains one)": 1,
+    }
+    assert snapshot["channel"] == {"refused": feed.counts()}
+    assert "status channel: refused a message from login site-b" in caplog.text
+
+
+def test_the_feed_lives_through_an_error_in_its_handler(monkeypatch):
+    """Whatever goes wrong with one message in paho's thread is caught and counted: an exception
+    there would end paho's network thread, and the feed with it, silently."""
+    feed = Feed(Broker("127.0.0.1", 9), logins=NodeLogins({"node": None}))  # a port nobody serves
+    try:
+
+        def broken(topic: str, body: bytes, retain: bool) -> None:  # noqa: ARG001
+            raise KeyError("a bug")
+
+        monkeypatch.setattr(feed, "read", broken)
+        message = type("Message", (), {"topic": "fedgpu/nodes/node/1/tasks", "payload": b"{}", "retain": False})
+        feed._on_message(None, None, message())
+        assert feed.counts() == {"an error in the feed: KeyError": 1}
+    finally:
+        feed.close()
 
 
 def _browser():  # noqa: ANN202

@@ -17,8 +17,8 @@ import torch
 from app.config.schema import ConfigError, MqttConfig
 from app.run.results import read_rows
 from app.status.alerts import AlertRules
-from app.status.channel import paho_client
-from app.status.schema import ALERTS, VERSION
+from app.status.channel import Channel, paho_client
+from app.status.schema import ALERTS, VERSION, payload
 from app.status.server import RunStatus
 from app.tools.broker import LocalBroker, missing
 from app.tools.in_process import run_in_process
@@ -108,8 +108,10 @@ def test_a_run_publishes_its_state_rounds_and_each_nodes_tasks(broker, node_cred
     # A node's messages may reach the broker out of order (one sent before its connection was up goes
     # after a later one): consumers order them by `time`, as here.
     beats = sorted(
-        (p["time"], t.split("/")[2], p["task"], p["step"], p["state"]) for t, p, _ in sub.messages if "/nodes/" in t
+        (p["time"], t.split("/")[3], p["task"], p["step"], p["state"]) for t, p, _ in sub.messages if "/nodes/" in t
     )
+    # every heartbeat under the nodes' login, the one topic level the broker's ACL lets it write
+    assert {t.split("/")[2] for t, _, _ in sub.messages if "/nodes/" in t} == {"node"}
     for node in ("1000", "1001", "1002"):
         for kind in ("train", "evaluate"):
             for step in (1, 2):
@@ -210,13 +212,16 @@ def test_alerts_follow_the_rows():
     retained = [p["state"] for t, p, r in channel.published if r]
     assert retained == ["running", "running", "running", "completed"]
     assert all(t.startswith("fedgpu/runs/run1/") for t, _, _ in channel.published)
+    rounds = [(p["event"], p["unit"]) for t, p, _ in channel.published if t.endswith("/rounds")]
+    assert rounds == [("ended", "round")] * 3
 
 
 def test_topic_levels_cannot_be_steered_by_names():
     from app.status.schema import node_topic, run_topic
 
     assert run_topic("fedgpu", "a/b#+c", "state") == "fedgpu/runs/a_b__c/state"
-    assert node_topic("fedgpu", "1/#") == "fedgpu/nodes/1__/tasks"
+    assert node_topic("fedgpu", "lab/a+", "1/#") == "fedgpu/nodes/lab_a_/1__/tasks"
+    assert node_topic("fedgpu", None, 7) == "fedgpu/nodes/_/7/tasks"  # no login: a level no ACL grants
 
 
 @pytest.mark.parametrize(
@@ -249,6 +254,48 @@ def test_flwr_run_publishes_through_a_real_broker(broker, flwr_env, tmp_path):  
         sub.wait_for(lambda: any(p["state"] == "completed" for p in sub.of(f"runs/{run}/state")))
     finally:
         sub.close()
-    nodes = {t.split("/")[2] for t, p, _ in sub.messages if "/nodes/" in t and p["run"] == run}
+    nodes = {t.split("/")[3] for t, p, _ in sub.messages if "/nodes/" in t and p["run"] == run}
     assert len(nodes) == 3, sub.messages
     assert sum(1 for t, p, _ in sub.messages if "/nodes/" in t and p["state"] == "finished") == 6
+
+
+def test_a_site_writes_only_its_own_logins_node_topics(broker):
+    """Issue 48, finding 10: the shipped ACL (docker/monitoring/mosquitto.acl, which LocalBroker
+    runs with) lets a login write `fedgpu/nodes/<its login>/<node>/tasks` and nothing else: not
+    another login's node topics, not the old `fedgpu/nodes/<node>/tasks`, no deeper or shorter
+    topic, no run topic. What a watcher receives is what the broker let through."""
+    sub = Subscriber(broker)
+    site = paho_client(broker.login("node"), "test-site")
+    site.connect("127.0.0.1", broker.port)
+    site.loop_start()
+    refused = [
+        "fedgpu/nodes/site-b/7/tasks",
+        "fedgpu/nodes/7/tasks",
+        "fedgpu/nodes/node/7/tasks/more",
+        "fedgpu/nodes/node/7",
+        "fedgpu/nodes/node",
+        "fedgpu/runs/r1/state",
+    ]
+    try:
+        for topic in [*refused, "fedgpu/nodes/node/7/tasks"]:  # one client's messages reach the broker in order
+            site.publish(topic, json.dumps({"v": VERSION, "topic": topic}), qos=1).wait_for_publish(timeout=30)
+        sub.wait_for(lambda: sub.of("/nodes/node/7/tasks"), timeout=30)
+    finally:
+        site.loop_stop()
+        site.disconnect()
+        sub.close()
+    assert [t for t, _, _ in sub.messages] == ["fedgpu/nodes/node/7/tasks"]
+
+
+def test_the_channel_publishes_standard_json(broker):
+    """A diverged loss (NaN) leaves as null: Python's json would write a bare NaN, which strict
+    consumers (a browser's JSON.parse, the live page's feed) refuse, losing the whole message."""
+    sub = Subscriber(broker)
+    channel = Channel(broker.login("server"), "test-srv")
+    try:
+        channel.publish("fedgpu/runs/r1/rounds", payload(run="r1", event="ended", row={"loss": float("nan")}))
+        sub.wait_for(lambda: sub.of("runs/r1/rounds"), timeout=30)
+    finally:
+        channel.close(5.0)
+        sub.close()
+    assert sub.of("runs/r1/rounds")[0]["row"] == {"loss": None}

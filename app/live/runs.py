@@ -2,13 +2,16 @@
 the MQTT status channel, app/live/feed.py): status, rows, per-node state, alerts.
 
 Files are read incrementally: `metrics.jsonl` and `ledger.jsonl` from the byte offset reached
-last time, complete lines only (a row being written is read next time), so a long run costs a
-poll only its new rows.
+last time, at most READ_MAX bytes a poll, complete lines only (a row being written is kept and
+finished by the next poll, never read again), so a long run costs a poll only its new rows, and
+a huge or torn file costs a bounded read and bounded memory. A line longer than MAX_LINE is
+skipped with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,32 +21,56 @@ import yaml
 
 from app.status.alerts import AlertRules
 
+log = logging.getLogger("flwr.fedgpu." + __name__)
+
 ROW_KEYS = ("round", "loss", "wall_time_s", "epsilon", "bytes_up_total", "bytes_down_total", "num_clients")
 MAX_ALERTS = 200  # the newest kept per run
+MAX_NODES = 1000  # per run (`--max-nodes`): what a page message carries stays bounded
+MAX_LINE = 16 * 2**20  # bytes in one row or ledger entry (a round of 1000 nodes is well under 1 MiB)
+READ_MAX = 2 * MAX_LINE  # bytes read from one file in one poll
 
 
 class Tail:
-    """The complete new lines of a growing JSON-lines file."""
+    """The complete new lines of a growing JSON-lines file. `offset`: the bytes read so far;
+    `partial`: those of the last line, not yet ended; `skipped`: lines over MAX_LINE left out."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, 0
+        self.path, self.offset, self.partial = path, 0, b""
+        self.skipping = False  # inside a line over MAX_LINE: what comes up to its end is dropped
+        self.skipped = 0
 
     def new(self) -> list[dict[str, Any]]:
         try:
             with self.path.open("rb") as f:
                 f.seek(self.offset)
-                data = f.read()
+                data = f.read(READ_MAX)
         except OSError:
             return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
+        self.offset += len(data)
+        *lines, rest = (self.partial + data).split(b"\n")
+        if self.skipping and lines:  # the end of the long line
+            self.skipping = False
+            lines.pop(0)
+        elif self.skipping:
+            rest = b""
         out = []
-        for line in data[:end].splitlines():
+        for line in lines:
+            if len(line) > MAX_LINE:
+                self._skip()
+                continue
             try:
                 out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn line is skipped, never fatal to the page
+            except (ValueError, RecursionError):
+                continue  # a broken line is skipped, never fatal to the page
+        if len(rest) > MAX_LINE:
+            self._skip()
+            self.skipping, rest = True, b""
+        self.partial = rest
         return out
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        log.warning("live page: %s: a line longer than %d bytes skipped (%d so far)", self.path, MAX_LINE, self.skipped)
 
 
 @dataclass
@@ -78,6 +105,8 @@ class RunView:
     alerts: list[dict[str, Any]] = field(default_factory=list)
     rules: AlertRules = field(default_factory=AlertRules)
     changed: float = field(default_factory=time.time)
+    max_nodes: int = MAX_NODES
+    nodes_left_out: int = 0  # updates of nodes past max_nodes
     _metrics: Tail | None = None
     _ledger: Tail | None = None
 
@@ -110,13 +139,19 @@ class RunView:
     def add_alerts(self, alerts: list[dict[str, Any]]) -> None:
         self.alerts = (self.alerts + alerts)[-MAX_ALERTS:]
 
-    def node(self, node_id: Any) -> NodeState:  # noqa: ANN401
-        return self.nodes.setdefault(str(node_id), NodeState())
+    def node(self, node_id: Any) -> NodeState | None:  # noqa: ANN401
+        """The node's state, new if need be; None (counted) for a new node past `max_nodes`."""
+        key = str(node_id)
+        if key not in self.nodes and len(self.nodes) >= self.max_nodes:
+            self.nodes_left_out += 1
+            return None
+        return self.nodes.setdefault(key, NodeState())
 
     def add_entry(self, entry: dict[str, Any]) -> None:
         """A ledger entry: each node's last step, its examples, rejections and contribution."""
         for record in entry.get("nodes", []):
-            state = self.node(record.get("node_id"))
+            if (state := self.node(record.get("node_id"))) is None:
+                continue
             state.last_step, state.last_seen = entry.get("step"), entry.get("recorded_at")
             outcome = str(record.get("outcome", ""))
             if outcome == "applied":
@@ -168,6 +203,9 @@ class RunView:
             "bytes": (last.get("bytes_up_total") or 0) + (last.get("bytes_down_total") or 0) or None,
             "rows": [{k: r.get(k) for k in (*ROW_KEYS, self.primary)} for r in self.rows],
             "nodes": {n: s.as_dict() for n, s in sorted(self.nodes.items())},
+            "max_nodes": self.max_nodes,
+            "nodes_left_out": self.nodes_left_out,
+            "lines_skipped": sum(t.skipped for t in (self._metrics, self._ledger) if t is not None),
             "alerts": self.alerts[-50:],
             "changed": self.changed,
         }

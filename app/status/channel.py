@@ -12,7 +12,6 @@ then reads the state the run is really in, whatever was lost in between.
 
 from __future__ import annotations
 
-import json
 import logging
 import ssl
 import threading
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
+
+from app.status.schema import dumps
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -69,7 +70,7 @@ class Channel:
         client = paho_client(broker, client_id)
         client.max_queued_messages_set(broker.queue)
         if will is not None:  # the broker publishes it if this connection dies without a goodbye
-            client.will_set(will[0], json.dumps(will[1]), qos=broker.qos, retain=True)
+            client.will_set(will[0], dumps(will[1]), qos=broker.qos, retain=True)
         client.on_publish = self._on_publish
         client.on_connect = self._on_connect
         self._client = client
@@ -101,7 +102,7 @@ class Channel:
 
     def publish(self, topic: str, payload: dict[str, Any], retain: bool = False) -> bool:
         """Hand one JSON message to paho (never waits for the network); False when it was dropped."""
-        info = self._client.publish(topic, json.dumps(payload, default=str), qos=self.broker.qos, retain=retain)
+        info = self._client.publish(topic, dumps(payload), qos=self.broker.qos, retain=retain)
         queued = info.rc == mqtt.MQTT_ERR_SUCCESS or (info.rc == mqtt.MQTT_ERR_NO_CONN and self.broker.qos > 0)
         with self._lock:
             if queued:

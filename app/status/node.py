@@ -1,6 +1,7 @@
-"""A ClientApp's side of the status channel: a heartbeat per task on `<prefix>/nodes/<node>/tasks`,
-`started` when the task arrives and `finished` (with the reply's telemetry) or `failed` (why) when
-it is over (app/status/schema.py).
+"""A ClientApp's side of the status channel: a heartbeat per task on
+`<prefix>/nodes/<login>/<node>/tasks` (the login: `status-username`, the one level the broker's ACL
+lets it write), `started` when the task arrives and `finished` (with the reply's telemetry) or
+`failed` (why) when it is over (app/status/schema.py).
 
 Where the broker is and how its messages look (host, port, the CA's text, topic prefix, QoS,
 run name) come with the task, from the server's `monitoring.mqtt`; credentials are the node's
@@ -46,6 +47,7 @@ log = logging.getLogger("flwr.fedgpu." + __name__)
 # What a heartbeat may carry of the reply's metrics: telemetry, never a statistic of the node's data
 # (loss, accuracy, example counts stay between the node and the server, and out of the channel).
 TELEMETRY = (WALL_TIME_S, STEPS, SAMPLES_PER_S, GPU_TELEMETRY)
+WHY_CHARS = 1000  # of a failed task's error: a heartbeat stays far below a consumer's cap (64 KiB)
 _channels: dict[Broker, Channel] = {}  # one connection per broker in this process
 
 
@@ -103,14 +105,15 @@ def watched(kind: str) -> Callable[[Callable[[Message, Context], Message]], Call
             if broker is None:
                 return handler(msg, context)
             channel = _channel(broker)
-            topic = node_topic(str(config[STATUS_PREFIX]), context.node_id)
+            topic = node_topic(str(config[STATUS_PREFIX]), broker.username, context.node_id)
             about = {"node": context.node_id, "run": str(config[STATUS_RUN]), "task": kind}
             about["step"] = int(config.get(SERVER_ROUND, 0))
             channel.publish(topic, payload(**about, state="started"))
             try:
                 reply = handler(msg, context)
             except Exception as err:
-                channel.publish(topic, payload(**about, state="failed", why=f"{type(err).__name__}: {err}"))
+                why = f"{type(err).__name__}: {err}"[:WHY_CHARS]
+                channel.publish(topic, payload(**about, state="failed", why=why))
                 channel.flush(float(config[STATUS_FLUSH_S]))
                 raise
             channel.publish(topic, payload(**about, state="finished", **telemetry(reply)))

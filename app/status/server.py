@@ -89,7 +89,8 @@ class RunStatus:
     def round_ended(self, row: dict[str, Any]) -> None:
         """The row as metrics.jsonl records it, the run's state, and the alerts the row shows."""
         self.step = int(row.get("round", self.step))
-        self.channel.publish(self.rounds_topic, payload(run=self.run, event="ended", step=self.step, row=row))
+        ended = payload(run=self.run, event="ended", step=self.step, unit=self.unit, row=row)
+        self.channel.publish(self.rounds_topic, ended)
         self.state("running", **{k: row[k] for k in (self.primary, "loss", "epsilon") if row.get(k) is not None})
         self._alerts(self.rules.of_row(row))
 

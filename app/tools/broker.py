@@ -1,6 +1,6 @@
 """A local Mosquitto broker for the status channel (Debian's `mosquitto`): TLS with a fresh CA
-and a certificate for 127.0.0.1, a password file, on a free loopback port. What the tests and the
-channel's benchmark talk to; `stop()` kills it (a broker that dies), `start()` brings it back on
+and a certificate for 127.0.0.1, a password file and the shipped ACL (docker/monitoring/mosquitto.acl),
+on a free loopback port. What the tests and the channel's benchmark talk to; `stop()` kills it (a broker that dies), `start()` brings it back on
 the same port."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from app.status.channel import Broker
 from app.tools.processes import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
+ACL = ROOT / "docker" / "monitoring" / "mosquitto.acl"  # who may write and read what: the deployment's own
 START_TIMEOUT_S = 60.0  # a hang detector: mosquitto starts in well under a second
 
 
@@ -35,10 +36,10 @@ def missing() -> str | None:
 
 
 class LocalBroker:
-    """Mosquitto under `root` with users `server`, `node` and `watcher` (password: `<user>-secret`,
-    also in `root/<user>.pw`)."""
+    """Mosquitto under `root` with users `server`, `watcher` and the sites `node` and `site-b`
+    (password: `<user>-secret`, also in `root/<user>.pw`)."""
 
-    USERS = ("server", "node", "watcher")
+    USERS = ("server", "node", "watcher", "site-b")
 
     def __init__(self, root: Path) -> None:
         self.root, self.port = Path(root), free_ports(1)[0]
@@ -57,6 +58,7 @@ class LocalBroker:
             f"keyfile {certs['key']}",
             "allow_anonymous false",
             f"password_file {passwords}",
+            f"acl_file {ACL}",
             "persistence false",
         ]
         if os.geteuid() == 0:  # as root mosquitto drops to user `mosquitto`, which cannot read the 0600 key
@@ -93,9 +95,13 @@ class LocalBroker:
             f"monitoring.mqtt.queue={queue}",
         ]
 
+    def login(self, user: str) -> Broker:
+        """This broker as `user` connects to it."""
+        return Broker("127.0.0.1", self.port, ca_file=str(self.ca), username=user, password=f"{user}-secret")
+
     def watcher(self) -> Broker:
         """This broker as a `watcher` (who reads every topic) connects to it."""
-        return Broker("127.0.0.1", self.port, ca_file=str(self.ca), username="watcher", password="watcher-secret")
+        return self.login("watcher")
 
     def node_env(self) -> dict[str, str]:
         """Simulated nodes' credentials (the environment of the `flwr run` that starts the SuperLink)."""

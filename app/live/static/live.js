@@ -61,7 +61,10 @@ function drawDetail(rebuild) {
   const detail = document.getElementById("detail");
   if (!r) { detail.hidden = true; return; }
   detail.hidden = false;
-  document.getElementById("title").textContent = `${r.name}: ${r.status}`;
+  const skipped = r.lines_skipped ? ` (${r.lines_skipped} over-long lines of its files skipped)` : "";
+  document.getElementById("title").textContent = `${r.name}: ${r.status}${skipped}`;
+  document.getElementById("nodes-title").textContent = "Nodes" + (r.nodes_left_out
+    ? ` (the first ${r.max_nodes} shown; ${r.nodes_left_out} updates of further nodes left out: --max-nodes)` : "");
   const rows = r.rows.filter((x) => x.round !== null && x.round !== undefined);
   const step = rows.map((x) => x.round);
   const metric = rows.map((x) => x[r.primary] ?? null);
@@ -103,6 +106,15 @@ function drawDetail(rebuild) {
   if (!r.alerts.length) alerts.innerHTML = "<li>none</li>";
 }
 
+// What the status channel's feed refused (app/live/feed.py): counts by reason.
+function showRefused(refused) {
+  const el = document.getElementById("channel");
+  const reasons = Object.entries(refused);
+  const total = reasons.reduce((n, [, k]) => n + k, 0);
+  el.textContent = total ? `status channel: ${total} messages refused` : "";
+  el.title = reasons.map(([why, k]) => `${k}× ${why}`).join("\n");
+}
+
 function connect() {
   const link = document.getElementById("link");
   const ws = new WebSocket(`ws://${location.host}/ws`);
@@ -110,6 +122,7 @@ function connect() {
   ws.onmessage = (event) => {
     const msg = JSON.parse(event.data);
     for (const r of msg.runs) runs.set(r.name, r);
+    if (msg.channel) showRefused(msg.channel.refused);
     drawRuns();
     if (msg.runs.some((r) => r.name === selected)) drawDetail(false);
   };
