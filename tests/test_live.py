@@ -386,6 +386,13 @@ def test_the_feed_lives_through_an_error_in_its_handler(monkeypatch):
         message = type("Message", (), {"topic": "fedgpu/nodes/node/1/tasks", "payload": b"{}", "retain": False})
         feed._on_message(None, None, message())
         assert feed.counts() == {"an error in the feed: KeyError": 1}
+        monkeypatch.undo()
+        beat = json.dumps(payload(node=1, run="r1", task="train", state="started")).encode()
+        for login in ("lab-x", "node"):  # a login the file does not list, then one it does
+            fields = {"topic": f"fedgpu/nodes/{login}/1/tasks", "payload": beat, "retain": False}
+            feed._on_message(None, None, type("Message", (), fields)())
+        assert feed.counts() == {"an error in the feed: KeyError": 1, "a login that --node-logins does not list": 1}
+        assert feed.inbox.qsize() == 1  # node's
     finally:
         feed.close()
 

@@ -40,6 +40,7 @@ TEXT_CHARS = 32  # a heartbeat's `task` and `state`, as the page shows them
 LOGGED_MAX = 1000  # (login, reason) pairs logged; later refusals are only counted
 
 # Why a message was refused (the keys of `counts()`).
+NOT_LISTED = "a login that --node-logins does not list"
 NOT_OWNED = "a login speaking for a node it does not own"
 NOT_JSON = "not strict JSON (NaN, Infinity, or nested too deeply)"
 TOO_LARGE = f"a heartbeat over {MAX_HEARTBEAT} bytes"
@@ -140,6 +141,8 @@ class Feed:
                 raise Refused(BAD_TOPIC)
             if retain:
                 raise Refused(RETAINED)
+            if parts[2] not in self.logins.nodes:
+                raise Refused(NOT_LISTED)
             if not self.logins.may(parts[2], parts[3]):  # the broker vouches for the login level
                 raise Refused(NOT_OWNED)
             if len(body) > MAX_HEARTBEAT:
