@@ -397,6 +397,25 @@ def test_the_feed_lives_through_an_error_in_its_handler(monkeypatch):
         feed.close()
 
 
+def test_the_node_logins_file(tmp_path, capsys):
+    """`--node-logins`: each login's node ids (integers or their text), or "*" for any node; a bad
+    entry stops the command with a message naming it."""
+    from app.live.__main__ import main
+
+    good = tmp_path / "logins.toml"
+    good.write_text('lab-a = [5577006791947779410, "12"]\nnode = "*"\n')
+    logins = NodeLogins.read(good)
+    assert logins.may("lab-a", "5577006791947779410") and logins.may("lab-a", "12") and logins.may("node", "7")
+    assert not logins.may("lab-a", "7") and not logins.may("lab-b", "12")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('lab-a = ["12", "x/+"]\n')
+    with pytest.raises(ValueError, match="lab-a"):
+        NodeLogins.read(bad)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path), "--node-logins", str(bad)])
+    assert exit_.value.code == 2 and "--node-logins" in capsys.readouterr().err
+
+
 def _browser():  # noqa: ANN202
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver is None:
