@@ -615,12 +615,13 @@ def secagg_shares_handler(msg: Message, context: Context) -> Message:
 @watched("train")
 @released
 def secagg_train_handler(msg: Message, context: Context) -> Message:
-    """Train, then send only the masked ring vector (its shares are checked before training)."""
+    """Train, then send only the masked ring vector and the complaints about shares that did not
+    open (its shares are checked before training)."""
     from flwr.app import Array
 
     from app.protocol import SECAGG_MASKED, SECAGG_MODULUS
     from app.secagg.encode import node_vector
-    from app.secagg.node import mask, receive_shares
+    from app.secagg.node import complaints, mask, receive_shares
 
     record = msg.content[SECAGG]
     state = receive_shares(record, context)
@@ -631,7 +632,12 @@ def secagg_train_handler(msg: Message, context: Context) -> Message:
     masked = mask(state, vector, int(record[SECAGG_MODULUS]), context)
     clear = {k: v for k, v in metrics.items() if k not in SECAGG_HIDDEN}
     content = RecordDict(
-        {ARRAYS: ArrayRecord({SECAGG_MASKED: Array(masked)}), METRICS: MetricRecord(clear), **about_node(context)}
+        {
+            ARRAYS: ArrayRecord({SECAGG_MASKED: Array(masked)}),
+            METRICS: MetricRecord(clear),
+            SECAGG: complaints(state),  # the neighbours whose shares did not open here, with proofs
+            **about_node(context),
+        }
     )
     return Message(content=content, reply_to=msg)
 

@@ -87,10 +87,16 @@ class Nodes:
             i = node - 1000
             received = msg.content[ARRAYS].to_torch_state_dict()
             gen = torch.Generator().manual_seed(i)
-            vector = node_vector(self.models[i], received, self.examples[i], 0.5 + i, 0.1 * i, record, gen)
+            vector = node_vector(self.models[i], received, self.examples[i], 0.5 + i, (0.1 * i) % 1.0, record, gen)
             self.plain[node] = vector
             masked = secagg_node.mask(state, vector, int(record[SECAGG_MODULUS]), context)
-            content = RecordDict({ARRAYS: ArrayRecord({SECAGG_MASKED: Array(masked)}), "metrics": MetricRecord({})})
+            content = RecordDict(
+                {
+                    ARRAYS: ArrayRecord({SECAGG_MASKED: Array(masked)}),
+                    "metrics": MetricRecord({}),
+                    SECAGG: secagg_node.complaints(state),
+                }
+            )
             return Message(content=content, reply_to=msg)
         return Message(content=RecordDict({SECAGG: out}), reply_to=msg)
 
