@@ -83,7 +83,7 @@ class VersionReport:
     """What went into one server update (one metrics.jsonl row), and what did not."""
 
     version: int = 0
-    applied: list[dict[str, Any]] = field(default_factory=list)  # node_id, staleness, num_examples, weight
+    applied: list[dict[str, Any]] = field(default_factory=list)  # node_id, staleness, num_examples, weight, scale
     discarded_stale: int = 0  # since the previous version
     rejected: list[Rejection] = field(default_factory=list)  # invalid replies since the previous version
     failed: list[Rejection] = field(default_factory=list)  # error replies and timeouts since the previous version
@@ -624,6 +624,7 @@ class FedBuff(Strategy):
                 "staleness": r.staleness,
                 "num_examples": r.metrics[NUM_EXAMPLES],
                 "weight": r.weight,
+                "scale": r.scale,  # s(τ): the weight of rules that ignore counts (the ledger's, under them)
             }
             for r in buffer
             if r.node_id not in excluded

@@ -266,10 +266,42 @@ def screen_reply(
     `names` keeps the name the reply claims for its node, whatever the screening finds (its
     `wire.NODE` record is read for that alone: a reply's ConfigRecords are otherwise ignored, but
     by `check`, which sees the whole reply first).
+
+    Any other exception a check raises (one that did not foresee what a node can send: a decoder's
+    IndexError, a parser's RecursionError) becomes this reply's InvalidReply, naming the exception's
+    type and message, and its traceback is logged: one node's input never ends the run, and the
+    check that should have named the problem itself is not hidden.
     """
+    node = msg.metadata.src_node_id if node is None else node
+    try:
+        return _screen(msg, specs, weight_key, check_finite, node, weight_cap, unpack, base, names, check)
+    except InvalidReply:
+        raise
+    except Exception as err:  # noqa: BLE001 - any check's failure on one reply is that reply's rejection
+        log.warning(
+            "checking the reply from %s raised %s: the reply is rejected (a check should have named why)",
+            label(node, names),
+            type(err).__name__,
+            exc_info=True,
+        )
+        raise InvalidReply(f"checking it raised {type(err).__name__}: {err}") from err
+
+
+def _screen(
+    msg: Message,
+    specs: dict[str, ArraySpec] | None,
+    weight_key: str,
+    check_finite: bool,
+    node: int,
+    weight_cap: WeightCap | None,
+    unpack: Unpack | None,
+    base: TensorDict | None,
+    names: NodeNames | None,
+    check: ReplyCheck | None,
+) -> ValidReply:
+    """`screen_reply`'s checks, in order; InvalidReply for the first that fails."""
     if msg.has_error():
         raise InvalidReply(error_text(msg.error))
-    node = msg.metadata.src_node_id if node is None else node
     if check is not None:
         check(msg, node)
     content = msg.content

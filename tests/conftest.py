@@ -190,6 +190,8 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_a_sign_flipper_excluded_by_multikrum_earns_nothing",
         "test_free_riders_with_valid_signatures_earn_nothing_under_any_rule",
         "test_flwr_run_with_a_key_per_simulated_node",
+        "test_signed_free_riders_never_earn_more_than_an_honest_node_without_scores",
+        "test_a_key_stays_bound_to_its_node_across_a_resume",
     },
     "test_local_deployment": {
         "test_down_stops_exactly_what_up_started_and_never_a_process_that_merely_names_the_state_directory"

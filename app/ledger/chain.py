@@ -151,8 +151,8 @@ def read_entries(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"line {number}: not JSON ({err})") from None
+        except (json.JSONDecodeError, RecursionError) as err:  # a line nested past the parser's depth too
+            raise ValueError(f"line {number}: not JSON ({type(err).__name__}: {err})") from None
         if not isinstance(entry, dict):
             raise ValueError(f"line {number}: not a JSON object")
         entries.append(entry)

@@ -8,9 +8,13 @@ A node's record in an entry earns for that step only if all of these hold:
   (an update that only replays the public step, or none) or a harmful update earns nothing.
 
 What an earning step is worth, by rule, over the whole run:
-- `work`: the weight the server gave the update (the claimed example count after the server's cap,
-  times FedBuff's staleness factor), never the seconds the node claims (a site signs its own claims;
-  the cap is the server's measure). payout_i = pool x W_i / sum_j W_j.
+- `work`: the effective weight the aggregation gave the update (the ledger's `weight`: a mean's
+  capped count, a robust rule's or central DP's one equal weight, times FedBuff's staleness factor),
+  never the seconds the node claims (a site signs its own claims). payout_i = pool x W_i / sum_j W_j.
+  Without contribution scores only where that weight cannot favour a free-rider (a node that sends
+  the public model back, signed, claiming the cap), `work_unbounded`: in rounds, every update used
+  and weighed alike (a coordinate-wise median or trimmed mean, central DP), so a free-rider earns
+  exactly what an honest node answering the same tasks earns, never more.
 - `contribution`: the step's contribution score. payout_i = pool x C_i / sum_j C_j, C_i the sum of
   node i's positive scores.
 - `blend`: `--blend B` of the work share and 1 - B of the contribution share, each as above.
@@ -60,6 +64,25 @@ def _unpaid_reason(record: dict[str, Any], scored: bool) -> str | None:
     return None
 
 
+def work_unbounded(entries: list[dict[str, Any]]) -> str | None:
+    """Why, without contribution scores, paying by weight could pay a free-rider more than an honest
+    node (None: it cannot): a step that weighed updates by their claimed counts (a claim of the cap
+    buys the cap), a FedBuff version (a node that does not train answers at once and fills more of
+    the buffers), or a rule that kept some updates and excluded others (Krum, Multi-Krum, Bulyan:
+    the public model sits at the centre of the honest updates, so it is kept first)."""
+    for entry in entries:
+        step = f"step {entry.get('step')}"
+        if "weights" not in entry:
+            return f"{step} does not record how it weighed the updates (a ledger of an older version)"
+        if entry["weights"] != "alike":
+            return f"{step} weighed updates by their claimed example counts (a claim buys weight up to the cap)"
+        if entry.get("unit") != "round":
+            return f"{step} is a FedBuff version (a node that does not train answers first and fills more buffers)"
+        if excluded := [n["node_id"] for n in entry.get("nodes", []) if str(n.get("outcome")).startswith("excluded")]:
+            return f"{step}'s rule kept some updates and excluded others ({excluded}): it may keep a free-rider's first"
+    return None
+
+
 def settle(run_dir: Path, pool: float, rule: str, blend: float = 0.5) -> list[Payee]:
     """The payout per node of `pool` under `rule` (module docstring), highest first."""
     if rule not in RULES:
@@ -78,6 +101,13 @@ def settle(run_dir: Path, pool: float, rule: str, blend: float = 0.5) -> list[Pa
     scored = any("contribution" in r for r in records)
     if rule != "work" and not scored:
         raise SettlementError(f"--rule {rule} needs contribution scores: run with ledger.contribution=loo|shapley")
+    if not scored and (why := work_unbounded(entries)) is not None:
+        raise SettlementError(
+            f"--rule work without contribution scores would pay a free-rider (no data, the public model sent "
+            f"back with a valid signature) as much as the aggregation weighed it, and {why}: run with "
+            "ledger.contribution=loo|shapley (a free-rider then earns nothing), or with a rule that uses every "
+            "update alike in rounds (strategy=median or trimmed_mean, or central DP)"
+        )
     payees: dict[int, Payee] = {}
     for r in records:
         payee = payees.setdefault(int(r["node_id"]), Payee(int(r["node_id"])))

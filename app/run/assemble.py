@@ -65,7 +65,7 @@ from app.run.memory import streams
 from app.run.monitoring import Monitor
 from app.run.privacy import RunPrivacy
 from app.run.results import RunRecorder, new_run_dir
-from app.run.work import keep_keys, reply_check, with_nonces, work_checks
+from app.run.work import open_work, reply_check, with_nonces, work_checks
 from app.simulation.attacks import malicious_partitions
 from app.simulation.fleet import describe, fleet_of, fleet_profiles, shared_wan
 from app.simulation.local_grid import InProcessGrid
@@ -432,8 +432,7 @@ def assemble(grid: Grid, cfg: Config, raw: DictConfig, root: Path) -> Run:
     if receipts is not None:
         receipts.ledger = ledger
     if work is not None and ledger is not None:
-        work.run = ledger.run_id
-        keep_keys(cfg.ledger, recorder.run_dir)
+        open_work(work, ledger, cfg.ledger, recorder.run_dir)
 
     run = Run(
         cfg=cfg,

@@ -30,7 +30,7 @@ from app.regions.traffic import wan_bytes
 from app.run.arrivals import ReplyFacts, noted, pull_replies
 from app.run.assemble import Run, assemble
 from app.run.checkpoint import Checkpoint, capture_rng, save_checkpoint
-from app.run.ledger_entries import attach_scores, round_nodes, secure_nodes, version_nodes
+from app.run.ledger_entries import attach_scores, round_nodes, secure_nodes, version_nodes, weighing
 from app.run.results import read_summary
 from app.run.rows import reply_metrics, reported, round_row, secure_row, secure_traffic, traffic, version_row
 from app.run.work import attach
@@ -186,6 +186,7 @@ class FederatedRun:
                 attach(self.parts.work, nodes)
             before, self.model_digest = self.model_digest, model_digest(state)
             entry = {"step": rnd, "unit": self.strategy.unit, "wall_time_s": row["wall_time_s"]}
+            entry["weights"] = weighing(self.cfg)  # how `nodes` weigh: settlement reads it
             if "secagg" in row:  # a secure round: the survivors and the sums' hashes, no per-node weights
                 entry["secagg"] = {k: row["secagg"][k] for k in ("survivors", "masked_sum_sha256", "sum_sha256")}
             self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
@@ -378,7 +379,7 @@ class FederatedRun:
                 **wide_area,
             }
             nodes = (
-                round_nodes(messages, replies, report, cfg.strategy.name)
+                round_nodes(messages, replies, report, cfg.strategy.name, weighing(cfg))
                 if secure is None
                 else secure_nodes(messages, secure)
             )
@@ -430,7 +431,7 @@ class FederatedRun:
                 ),
             }
             last = now
-            nodes = version_nodes(report, cfg.strategy.buffer_aggregator)
+            nodes = version_nodes(report, cfg.strategy.buffer_aggregator, weighing(cfg))
             if self.scores is not None:
                 scores = self.scores.score_buffer(
                     strategy.last_base, strategy.last_buffer, strategy.server_lr, report.robust

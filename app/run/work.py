@@ -1,7 +1,7 @@
 """The run's side of signed work records (`ledger.work_keys`, app/ledger/work.py): the registered
-keys read and copied into the run before any task, a nonce in every training task, each training
-reply's record checked before the strategy uses anything of it, and the verified records put into the
-step's ledger entry."""
+keys read and copied into the run before any task (with a resumed run's bindings and used nonces
+taken up from its ledger), a nonce in every training task, each training reply's record checked
+before the strategy uses anything of it, and the verified records put into the step's ledger entry."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from app.config.schema import ConfigError, LedgerConfig
+from app.ledger.chain import Ledger, read_entries
 from app.ledger.verify import WORK_KEYS
 from app.ledger.work import PUBLIC_SUFFIX, WorkChecks, WorkRecordError, load_public_keys
 from app.protocol import WORK, WORK_NONCE, WORK_RUN
@@ -40,9 +41,14 @@ def work_checks(cfg: LedgerConfig) -> WorkChecks | None:
     return WorkChecks(keys, required=cfg.work_required)
 
 
-def keep_keys(cfg: LedgerConfig, run_dir: Path) -> None:
-    """Copy the registered public keys into `<run>/work_keys/`, so the run's records can be checked
-    later against the keys they were checked with (`python -m app.ledger verify`)."""
+def open_work(checks: WorkChecks, ledger: Ledger, cfg: LedgerConfig, run_dir: Path) -> None:
+    """Tie the checks to the opened ledger (cut back to the checkpoint a resume starts from): its run
+    id, each key's node and the nonces its records used (`WorkChecks.take_up`), and copy the
+    registered public keys into `<run>/work_keys/`, so the run's records can be checked later against
+    the keys they were checked with (`python -m app.ledger verify`)."""
+    checks.run = ledger.run_id
+    if ledger.path.exists():
+        checks.take_up(read_entries(ledger.path))
     out = Path(run_dir) / WORK_KEYS
     out.mkdir(exist_ok=True)
     for path in Path(cfg.work_keys or "").expanduser().glob(f"*{PUBLIC_SUFFIX}"):
