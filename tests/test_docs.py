@@ -8,6 +8,7 @@ before it breaks them on GitHub.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -156,3 +157,25 @@ def test_the_checks_catch_breakage(tmp_path):
         github_slug("Server aggregation: ours vs Flower's built-ins") == "server-aggregation-ours-vs-flowers-built-ins"
     )
     assert github_slug("Asynchronous aggregation (FedBuff)") == "asynchronous-aggregation-fedbuff"
+
+
+# `name...`: a test whose name starts so; `*` stands for any part of a name
+TEST_NAME = re.compile(r"\b(test_[a-z0-9_*]+)(\.\.\.|…)?")
+
+
+def test_every_test_the_threat_model_names_exists():
+    """docs/threat-model.md states each bound with the test that shows it: every `test_...` it
+    names is a test function (or a test module) in tests/, so a renamed or deleted test breaks
+    this before it leaves a bound unproven."""
+    defined: set[str] = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        defined.add(path.stem)
+        defined.update(re.findall(r"^\s*(?:async\s+)?def (test_[a-z0-9_]+)\(", path.read_text(), re.MULTILINE))
+    named = set(TEST_NAME.findall((DOCS / "threat-model.md").read_text()))
+    assert named, "the threat model names no test"
+    missing = sorted(
+        name + dots
+        for name, dots in named
+        if not fnmatch.filter(defined, name + ("*" if dots else ""))
+    )
+    assert not missing, f"docs/threat-model.md names tests that do not exist: {missing}"
