@@ -592,8 +592,6 @@ def work_record(
 
 
 # secagg=plus (app/secagg/node.py): the four stages of SecAgg+, the third one training.
-# What a masked reply leaves in the clear: telemetry, never a statistic of the node's data.
-SECAGG_HIDDEN = frozenset({NUM_EXAMPLES, STEPS, *TRAIN_METRICS[:2]})
 
 
 @app.query("secagg_keys")
@@ -619,7 +617,7 @@ def secagg_train_handler(msg: Message, context: Context) -> Message:
     open (its shares are checked before training)."""
     from flwr.app import Array
 
-    from app.protocol import SECAGG_MASKED, SECAGG_MODULUS
+    from app.protocol import SECAGG_CLEAR, SECAGG_MASKED, SECAGG_MODULUS
     from app.secagg.encode import node_vector
     from app.secagg.node import complaints, mask, receive_shares
 
@@ -630,7 +628,7 @@ def secagg_train_handler(msg: Message, context: Context) -> Message:
     generator = torch.Generator().manual_seed(seed)
     vector = node_vector(tensors, job.received, int(metrics[NUM_EXAMPLES]), loss, accuracy, record, generator)
     masked = mask(state, vector, int(record[SECAGG_MODULUS]), context)
-    clear = {k: v for k, v in metrics.items() if k not in SECAGG_HIDDEN}
+    clear = {k: v for k, v in metrics.items() if k in SECAGG_CLEAR}  # no figure that gives the count
     content = RecordDict(
         {
             ARRAYS: ArrayRecord({SECAGG_MASKED: Array(masked)}),

@@ -180,6 +180,29 @@ REPLY_METRICS = frozenset(
     }
 )
 REPLY_METRIC_PREFIXES = (EVAL_PREFIX,)  # families named after the task's metrics
+# secagg=plus: the only reply metrics a masked reply carries in the clear (app/client_app.py:
+# secagg_train_handler; the heartbeat is built from the reply). The device's own state and the
+# config, never a figure of the work done: with the public epochs and batch size, time,
+# throughput, steps, batches and memory peaks each give the example count (samples-per-s x
+# wall-time-s was exactly count x epochs), which travels only inside the masked vector. Under
+# privacy=local, also the accountant's history the server needs for ε: its q = batch / n gives n,
+# which local DP takes as public (docs/privacy.md). And a simulated node's partition id.
+SECAGG_CLEAR = frozenset(
+    {
+        PARTITION_ID,
+        GPU_TELEMETRY,
+        GPU_UTIL_MEAN_PCT,
+        GPU_UTIL_MAX_PCT,
+        GPU_TEMP_MAX_C,
+        GPU_POWER_MEAN_W,
+        GPU_MEM_SHARE,
+        GPU_MEM_CAP_MB,
+        DP_EPSILON,
+        DP_NOISE_MULTIPLIER,
+        DP_STEPS,
+        *HISTORY_METRICS,
+    }
+)
 
 
 def is_reply_metric(key: str) -> bool:

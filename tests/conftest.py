@@ -58,6 +58,8 @@ SLOW_MODULES: dict[str, str] = {
 # that uses it).
 SLOW_TESTS: dict[str, set[str]] = {
     "test_secagg": {"test_what_the_server_holds_of_one_node_is_uniform_over_many_rounds"},  # 400 SecAgg+ rounds
+    # six federations, one per privacy mode
+    "test_clear_figures": {"test_no_exact_figure_reaches_rows_prometheus_the_channel_or_the_live_page"},
     "test_bulyan": {"test_strategy_bulyan_runs_synchronously_and_keeps_n_minus_2f"},  # a 7-node federation
     "test_regions": {"test_a_resumed_run_keeps_each_aggregators_wan_residual"},  # three federations
     # two federations, secure and in the clear (the default run keeps the secure combine's unit tests)

@@ -252,7 +252,8 @@ def test_missing_and_none_values_keep_the_last_ones() -> None:
     assert value(s, "fedgpu_node_gpu_utilization_ratio", node=str(NODES[0])) == pytest.approx(0.55)
     names = {name for name, _ in s}
     assert "fedgpu_privacy_epsilon" not in names  # never set: absent, not 0
-    assert "fedgpu_replies_failed_total" in names and value(s, "fedgpu_replies_failed_total") == 0
+    # never in a row (a synchronous round; a private run's rows leave the counts out): absent, not 0
+    assert "fedgpu_replies_failed_total" not in names
 
 
 def test_close_frees_the_port() -> None:
@@ -282,7 +283,7 @@ def test_monitors_have_their_own_registries() -> None:
     two.observe({"round": 5}, [])
     assert value(snapshot(one), "fedgpu_round") == 3
     assert value(snapshot(two), "fedgpu_round") == 5
-    assert value(snapshot(two), "fedgpu_replies_rejected_total") == 0
+    assert "fedgpu_replies_rejected_total" not in {name for name, _ in snapshot(two)}
     assert not any(family.name.startswith("fedgpu_") for family in REGISTRY.collect())
 
 

@@ -53,25 +53,38 @@ AMP_MODES = ("auto", *AMP_PRECISIONS)
 # name): declared here, once, so that the validation refuses a metric named like one (it would be
 # overwritten when the row is put together) and the run refuses a row with an undeclared column
 # (check_columns, below). Which step writes each: docs/configuration.md.
-ROW_COLUMNS = (
+# Each column says what privacy makes of it. EXACT: computed from the clients' replies or from which
+# nodes took part (counts, node ids, their metrics, sums of their bytes); no epsilon covers it, so
+# with privacy on it is recorded only with privacy.report_exact=true. PUBLIC: the run's own figures
+# and the mechanisms' releases, always recorded. Rows, Prometheus, the status channel and the live
+# page keep only PUBLIC columns (and the task's metrics) there: a new column must choose.
+PUBLIC, EXACT = "public", "exact"
+ROW_COLUMN_PRIVACY: dict[str, str] = {
     # every row (app/run/federation.py: timed_row)
-    "round", "loss", "wall_time_s", "round_time_s", "sim_time_s",
+    "round": PUBLIC, "loss": PUBLIC, "wall_time_s": PUBLIC, "round_time_s": PUBLIC, "sim_time_s": PUBLIC,
     # a synchronous round (app/run/rows.py: round_row) or a FedBuff version (version_row)
-    "version", "num_sampled", "num_clients", "num_rejected", "num_missing", "num_failed",
-    "num_discarded_stale", "model_updated", "rejected", "failed", "capped_weights", "robust",
-    "node_partitions", "applied", "staleness", "tasks_sent", "train", "federated_eval",
-    # traffic (app/run/rows.py: traffic)
-    "bytes_down", "bytes_up", "bytes_down_total", "bytes_up_total", "unpack_s",
-    # privacy (app/run/privacy.py: each mode's row)
-    "epsilon", "clip_norm", "releases", "noised_unclipped_fraction", "clipped_fraction",
-    "client_epsilon_max", "client_epsilon_mean", "dp_history_rejected",
-    # secure aggregation (app/secagg/strategy.py: SecureFedAvg.row)
-    "secagg",
-    # topology=regions (app/regions/): bytes over the wide-area links, each region's part
-    "wan_bytes", "regions",
+    "version": PUBLIC, "model_updated": PUBLIC,
+    "num_sampled": EXACT, "num_clients": EXACT, "num_rejected": EXACT, "num_missing": EXACT, "num_failed": EXACT,
+    "num_discarded_stale": EXACT, "rejected": EXACT, "failed": EXACT, "capped_weights": EXACT, "robust": EXACT,
+    "node_partitions": EXACT, "applied": EXACT, "staleness": EXACT, "tasks_sent": EXACT, "train": EXACT,
+    "federated_eval": EXACT,
+    # traffic (app/run/rows.py: traffic): the means per task are public, the totals count the replies
+    "bytes_down": PUBLIC, "bytes_up": PUBLIC,
+    "bytes_down_total": EXACT, "bytes_up_total": EXACT, "unpack_s": EXACT,
+    # privacy (app/run/privacy.py: each mode's row); dp_history_rejected only under privacy=local,
+    # which takes who took part and n as public
+    "epsilon": PUBLIC, "clip_norm": PUBLIC, "releases": PUBLIC, "noised_unclipped_fraction": PUBLIC,
+    "clipped_fraction": EXACT,
+    "client_epsilon_max": PUBLIC, "client_epsilon_mean": PUBLIC, "dp_history_rejected": PUBLIC,
+    # secure aggregation (app/secagg/strategy.py: SecureFedAvg.row): survivors and dropped node ids
+    "secagg": EXACT,
+    # topology=regions (app/regions/): bytes over the wide-area links, each region's members and weight
+    "wan_bytes": EXACT, "regions": EXACT,
     # the MQTT status channel's messages so far: handed over, delivered, dropped (app/status/)
-    "status_channel",
-)  # fmt: skip
+    "status_channel": PUBLIC,
+}  # fmt: skip
+ROW_COLUMNS = tuple(ROW_COLUMN_PRIVACY)
+PUBLIC_COLUMNS = frozenset(c for c, kind in ROW_COLUMN_PRIVACY.items() if kind == PUBLIC)
 
 
 def check_columns(columns: Iterable[str], metric_names: Iterable[str] = ()) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from app.status.alerts import AlertRules
+from app.status.schema import exact_shown
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
@@ -125,7 +126,10 @@ class RunView:
         view = cls(path.name, path, primary, unit, (cfg.get("federation") or {}).get("rounds"), strategy)
         if cfg.get("federation") and cfg.get("privacy"):
             view.rules = AlertRules.of_config(cfg, unit, primary)
-        view._metrics, view._ledger = Tail(path / "metrics.jsonl"), Tail(path / "ledger.jsonl")
+        view._metrics = Tail(path / "metrics.jsonl")
+        privacy = cfg.get("privacy") or {}
+        if exact_shown(str(privacy.get("name", "none")), bool(privacy.get("report_exact"))):
+            view._ledger = Tail(path / "ledger.jsonl")  # its per-node records are exact figures
         return view
 
     def add_row(self, row: dict[str, Any], alerts: bool = True) -> None:

@@ -192,7 +192,7 @@ class FederatedRun:
             self.ledger.append({**entry, "model_before": before, "model_after": self.model_digest, "nodes": nodes})
         # Checkpoint first: a row in metrics.jsonl then always means a resumable round.
         self.save_state(rnd, row["wall_time_s"], state)
-        recorded = reported(row, self.privacy.exact_per_node)
+        recorded = reported(row, self.privacy.exact_per_node, self.task.names)
         self.recorder.log_round(recorded)
         self.monitor.observe(recorded, client_metrics if self.privacy.exact_per_node else [])
         if self.status is not None:

@@ -96,12 +96,14 @@ class Monitor:
         self._nodes_lock = threading.Lock()  # the bound holds even if the ledger calls from another thread
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
-        self._registered: set[Gauge] = set()
-        # Unlabelled gauges join the registry on their first value: before it, Prometheus would
-        # read 0, a real-looking value (epsilon 0 claims no privacy loss, loss 0 a perfect model).
+        self._registered: set[Gauge | Counter] = set()
+        # Unlabelled gauges and the counters join the registry on their first value: before it,
+        # Prometheus would read 0, a real-looking value (epsilon 0 claims no privacy loss, loss 0 a
+        # perfect model, and with privacy on, whose rows leave the exact counts out, 0 rejected
+        # replies would be a count no epsilon covers: docs/privacy.md).
         self._row_gauges = {key: Gauge(name, doc, registry=None) for key, (name, doc) in ROW_GAUGES.items()}
         self._train_gauges = {key: Gauge(name, doc, registry=None) for key, (name, doc) in TRAIN_GAUGES.items()}
-        self._counters = {key: Counter(name, doc, registry=self.registry) for key, (name, doc) in ROW_COUNTERS.items()}
+        self._counters = {key: Counter(name, doc, registry=None) for key, (name, doc) in ROW_COUNTERS.items()}
         self._round_hist = Histogram(
             "fedgpu_round_duration_seconds",
             "Round (FedBuff: version) durations.",
@@ -163,6 +165,7 @@ class Monitor:
         for key, counter in self._counters.items():
             value = _number(row.get(key))
             if value is not None and math.isfinite(value) and value >= 0:  # a counter only goes up
+                self._join(counter)
                 counter.inc(value)
         train = row.get(TRAIN_SECTION)
         if isinstance(train, Mapping):
@@ -183,10 +186,14 @@ class Monitor:
     def _set(self, gauge: Gauge, value: Any) -> None:
         if (number := _number(value)) is None:
             return
-        if gauge not in self._registered:
-            self.registry.register(gauge)
-            self._registered.add(gauge)
+        self._join(gauge)
         gauge.set(number)
+
+    def _join(self, metric: Gauge | Counter) -> None:
+        """Register `metric` on its first value (see __init__)."""
+        if metric not in self._registered:
+            self.registry.register(metric)
+            self._registered.add(metric)
 
     def _node_label(self, node: int) -> str:
         """The node's label value: its id while fewer than `max_node_labels` ids have one, else "other"."""

@@ -6,11 +6,12 @@ a row is written, and the keys a row can have are listed in one place.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from flwr.app import Message, MetricRecord
 
-from app.config.schema import check_columns
+from app.config.schema import PUBLIC_COLUMNS
 from app.protocol import PARTITION_ID
 from app.run.arrivals import ReplyFacts
 from app.secagg.server import Outcome
@@ -18,39 +19,16 @@ from strategies.fedavg import RoundReport
 from strategies.fedbuff import VersionReport
 from strategies.replies import payload_bytes
 
-# Row values computed from the clients' replies or from which nodes took part: no epsilon
-# covers them, so with privacy on they are recorded only with privacy.report_exact=true.
-EXACT_ROW_KEYS = (
-    "num_sampled",
-    "num_clients",
-    "num_rejected",
-    "num_missing",
-    "num_failed",
-    "num_discarded_stale",
-    "rejected",
-    "failed",
-    "node_partitions",
-    "applied",
-    "staleness",
-    "tasks_sent",
-    "bytes_down_total",
-    "bytes_up_total",
-    "unpack_s",  # grows with the number of replies, as the totals do
-    "robust",
-    "capped_weights",
-    "train",
-    "federated_eval",
-)
-check_columns(EXACT_ROW_KEYS)  # a renamed column must not slip past privacy's filter
 
-
-def reported(row: dict[str, Any], exact: bool) -> dict[str, Any]:
-    """The row as recorded: without EXACT_ROW_KEYS unless `exact` (no privacy, or
-    privacy.report_exact: the run's privacy object says, `exact_per_node`); the log keeps them:
-    it is the operator's, who sees every reply anyway."""
+def reported(row: dict[str, Any], exact: bool, metric_names: Iterable[str]) -> dict[str, Any]:
+    """The row as recorded: with privacy on (the run's privacy object says, `exact_per_node`) only
+    its PUBLIC columns (app/config/schema.py ROW_COLUMN_PRIVACY) and the task's `metric_names`, an
+    allow-list, so a new column is left out until it is declared public; everything with no privacy
+    or privacy.report_exact. The log keeps the rest: it is the operator's, who sees every reply anyway."""
     if exact:
         return row
-    return {k: v for k, v in row.items() if k not in EXACT_ROW_KEYS}
+    shown = PUBLIC_COLUMNS | set(metric_names)
+    return {k: v for k, v in row.items() if k in shown}
 
 
 def reply_metrics(replies: list[ReplyFacts]) -> list[tuple[int, MetricRecord]]:

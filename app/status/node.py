@@ -38,15 +38,19 @@ from app.protocol import (
     STATUS_RUN,
     STEPS,
     WALL_TIME_S,
+    ClientSettings,
 )
 from app.status.channel import Broker, Channel
-from app.status.schema import node_topic, payload
+from app.status.schema import exact_shown, node_topic, payload
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
 
 # What a heartbeat may carry of the reply's metrics: telemetry, never a statistic of the node's data
 # (loss, accuracy, example counts stay between the node and the server, and out of the channel).
 TELEMETRY = (WALL_TIME_S, STEPS, SAMPLES_PER_S, GPU_TELEMETRY)
+# Its work figures, only where the run shows exact figures (`exact_shown`): with the public epochs
+# and batch size they give the example count (samples/s x seconds is count x epochs).
+WORK = (WALL_TIME_S, STEPS, SAMPLES_PER_S)
 WHY_CHARS = 1000  # of a failed task's error: a heartbeat stays far below a consumer's cap (64 KiB)
 _channels: dict[Broker, Channel] = {}  # one connection per broker in this process
 
@@ -81,12 +85,13 @@ def _channel(broker: Broker) -> Channel:
     return _channels[broker]
 
 
-def telemetry(reply: Message) -> dict[str, Any]:
-    """The reply's telemetry (TELEMETRY and NVML's gpu-device-*), or its error."""
+def telemetry(reply: Message, exact: bool = True) -> dict[str, Any]:
+    """The reply's telemetry (TELEMETRY, less WORK unless `exact`, and NVML's gpu-device-*), or its error."""
     if reply.has_error():
         return {"outcome": "error", "why": reply.error.reason}
     metrics = next((r for r in reply.content.metric_records.values()), {})
-    keep = {k: v for k, v in metrics.items() if k in TELEMETRY or k.startswith(GPU_DEVICE_PREFIX)}
+    shown = TELEMETRY if exact else tuple(k for k in TELEMETRY if k not in WORK)
+    keep = {k: v for k, v in metrics.items() if k in shown or k.startswith(GPU_DEVICE_PREFIX)}
     return {"outcome": "replied", "device": "cuda" if keep.get(GPU_TELEMETRY) else "cpu", **keep}
 
 
@@ -116,7 +121,9 @@ def watched(kind: str) -> Callable[[Callable[[Message, Context], Message]], Call
                 channel.publish(topic, payload(**about, state="failed", why=why))
                 channel.flush(float(config[STATUS_FLUSH_S]))
                 raise
-            channel.publish(topic, payload(**about, state="finished", **telemetry(reply)))
+            privacy = ClientSettings.from_record(dict(config)).privacy
+            exact = exact_shown(privacy.name, privacy.report_exact)
+            channel.publish(topic, payload(**about, state="finished", **telemetry(reply, exact)))
             channel.flush(float(config[STATUS_FLUSH_S]))
             return reply
 

@@ -28,6 +28,8 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+from app.config.schema import DISTRIBUTED_PRIVACY
+
 VERSION = 2
 STATES = ("started", "running", "completed", "stopped", "failed")
 ALERTS = ("node_lost", "node_rejected", "round_skipped", "budget_nearly_spent", "budget_spent", "target_reached")
@@ -84,3 +86,12 @@ def loads(text: str | bytes) -> Any:  # noqa: ANN401
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
+
+def exact_shown(privacy: str, report_exact: bool) -> bool:
+    """Whether a run's exact per-node figures may reach the channel and the live page, as they reach
+    metrics.jsonl (app/run/privacy.py `exact_per_node`, app/config/schema.py ROW_COLUMN_PRIVACY):
+    without privacy, under distributed DP (its nodes send the server no exact figure; its cohort is
+    public by assumption), or with privacy.report_exact. Only then does a heartbeat carry the node's
+    work figures (seconds, steps, examples/s: with the public epochs and batch size, its example
+    count) and the page its ledger's per-node records."""
+    return privacy in ("none", *DISTRIBUTED_PRIVACY) or report_exact
