@@ -21,6 +21,7 @@ from app.run.environment import log_environment
 from app.run.federation import run_federation
 from app.run.results import output_root
 from app.task.data import DatasetUnavailableError
+from strategies.liveness import Stalled
 from strategies.node_wait import TooFewNodes
 
 log = logging.getLogger("flwr.fedgpu." + __name__)
@@ -41,6 +42,6 @@ def main(grid: Grid, context: Context) -> None:
     log.info("overrides: %r", overrides)
     try:
         run_federation(grid, cfg, raw, root)
-    except (ConfigError, DatasetUnavailableError, TooFewNodes) as err:
+    except (ConfigError, DatasetUnavailableError, TooFewNodes, Stalled) as err:
         log.error("%s", err)
         raise

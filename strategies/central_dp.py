@@ -459,6 +459,7 @@ class DPFedBuff(FedBuff):
         poll_interval_s: float = 0.02,
         deadline_grace_s: float = 5.0,
         device: torch.device | str = "cpu",
+        stall_versions: int = 0,
     ) -> None:
         super().__init__(
             buffer_size=buffer_size,
@@ -474,6 +475,7 @@ class DPFedBuff(FedBuff):
             poll_interval_s=poll_interval_s,
             deadline_grace_s=deadline_grace_s,
             device=device,
+            stall_versions=stall_versions,
         )
         if dp.sample_rate != 1.0 or dp.sensitivity != 2.0:
             raise ValueError("FedBuff's releases are accounted with q = 1 and sensitivity 2C")

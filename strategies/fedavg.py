@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import Strategy
 
 from strategies.keys import ARRAYS, CONFIG, FROZEN, NUM_EXAMPLES, SERVER_ROUND
 from strategies.node_wait import wait_for_nodes
+from strategies.norm_bound import NormBound
 from strategies.replies import (
     ArraySpec,
     EncodedModel,
@@ -72,6 +73,7 @@ class RoundReport:
     scores: dict[int, float] = field(default_factory=dict)  # per-node robust scores (Krum)
     policy: str | None = None  # what happened when too few valid replies arrived
     capped: list[dict[str, float]] = field(default_factory=list)  # node_id, claimed, weight: claims cut to the cap
+    clipped: list[dict[str, Any]] = field(default_factory=list)  # node_id, norm, bound: updates cut to the norm bound
 
     def robust_row(self) -> dict[str, Any]:
         """The robust-aggregation part of a metrics.jsonl row."""
@@ -151,6 +153,11 @@ class FedAvg(Strategy):
         topology=regions: each region's replies combined first, this strategy's rule over the
         regions (`strategies/regional.py`); streamed with the mean inside regions (one running mean
         each), gathered with a robust rule inside.
+    server_opt : ServerOptimizer | None (default: None)
+        A server optimizer (strategies/server_opt.py): the new model is its step along the aggregate.
+    norm_bound : NormBound | None (default: None)
+        `strategy.norm_bound` (strategies/norm_bound.py): each valid reply's update is bounded against
+        the median of the recently accepted ones before it reaches the mean; None: no bound.
     """
 
     def __init__(
@@ -162,9 +169,11 @@ class FedAvg(Strategy):
         device: torch.device | str = "cpu",
         regions: RegionalCombine | None = None,
         server_opt: ServerOptimizer | None = None,
+        norm_bound: NormBound | None = None,
     ) -> None:
         self.regions = regions
         self.server_opt = server_opt
+        self.norm_bound = norm_bound
         if regions is not None and regions.rule is not None:
             self.streams = False  # a robust rule inside regions needs each region's replies together
         self.sampling = sampling or Sampling()
@@ -219,6 +228,8 @@ class FedAvg(Strategy):
             self.limits.message_ttl_s,
             self.device,
         )
+        if self.norm_bound is not None:
+            log.info("%s: %s", self.name, self.norm_bound.describe())
 
     # --- sending ---------------------------------------------------------------
     def _messages(
@@ -398,7 +409,19 @@ class FedAvg(Strategy):
             names=self.wiring.names,
         )
         capped = _capped(screened)  # before aggregating: a reply it rejects still had its claim cut
+        for reply in list(screened.valid):  # in send order, as the round is summed
+            self.admit(reply, screened)
         return self._finish_train(server_round, screened, self.combine(server_round, screened), capped)
+
+    def admit(self, reply: ValidReply, screened: Screened) -> bool:
+        """Whether a valid reply goes on to the mean: `strategy.norm_bound` may reject it (moved to
+        `screened.rejected` with the reason) or clip it (`train_report.clipped`)."""
+        if self.norm_bound is None:
+            return True
+        why = self.norm_bound.admit(reply, self._global, self.train_report.clipped, self.wiring.names)
+        if why is not None:
+            reject(screened, reply, why)
+        return why is None
 
     def combine(self, server_round: int, screened: Screened) -> TensorDict | None:
         """`aggregate_models` over the replies, or over their regions' models (topology=regions)."""
@@ -446,7 +469,7 @@ class FedAvg(Strategy):
             check=self.limits.check,
             base=self._global,
         )
-        new = self.fold_models(server_round, _released(valid), screened)
+        new = self.fold_models(server_round, _released(r for r in valid if self.admit(r, screened)), screened)
         self._settle_downlink(answered)
         return self._finish_train(server_round, screened, new, _capped(screened))
 
@@ -470,11 +493,13 @@ class FedAvg(Strategy):
         report.rejected = screened.rejected
         report.accepted = [r.node_id for r in screened.valid if r.node_id not in report.excluded]
         self.last_valid = list(screened.valid)  # the round's valid replies, for contribution scores
+        used = [r for r in screened.valid if r.node_id in report.accepted] if new is not None else []
+        if self.norm_bound is not None:
+            self.norm_bound.commit(used)
         if new is None:
             if not screened.valid:
                 log.warning("round %d: no valid training reply; keeping the previous global model", server_round)
             return None, None
-        used = [r for r in screened.valid if r.node_id in report.accepted]
         return tensors_to_record(self.server_step(server_round, new), consume=True), weighted_metrics(used)
 
     def server_step(self, server_round: int, aggregate: TensorDict) -> TensorDict:
@@ -498,11 +523,12 @@ class FedAvg(Strategy):
 
     # --- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Strategy state for checkpoints: none of FedAvg's own across rounds; the regions' WAN
-        residuals (topology=regions)."""
+        """Strategy state for checkpoints: the norm bound's history of accepted norms; the regions' WAN
+        residuals (topology=regions); the server optimizer's moments."""
         regions = self.regions.state_dict() if self.regions is not None else {}
         opt = {"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}
-        return {"strategy": self.name, **({"regions": regions} if regions else {}), **opt}
+        bound = {"norm_bound": self.norm_bound.state_dict()} if self.norm_bound is not None else {}
+        return {"strategy": self.name, **({"regions": regions} if regions else {}), **opt, **bound}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("strategy") != self.name:
@@ -511,3 +537,5 @@ class FedAvg(Strategy):
             self.regions.load_state_dict(state["regions"])
         if self.server_opt is not None and "server_optimizer" in state:
             self.server_opt.load_state_dict(state["server_optimizer"], self.device)
+        if self.norm_bound is not None and "norm_bound" in state:
+            self.norm_bound.load_state_dict(state["norm_bound"])

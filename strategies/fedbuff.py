@@ -42,8 +42,10 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.fedavg import RoundReport, task_content
 from strategies.keys import NUM_EXAMPLES, SERVER_ROUND, TASK
+from strategies.liveness import Stalled, stall_reason, tally
 from strategies.node_names import label
 from strategies.node_wait import TooFewNodes
+from strategies.norm_bound import NormBound
 from strategies.replies import (
     ArraySpec,
     InvalidReply,
@@ -93,6 +95,7 @@ class VersionReport:
     bytes_down: list[int] = field(default_factory=list)  # each task's array bytes since the previous version
     stale_nodes: list[int] = field(default_factory=list)  # whose updates were discarded as too stale
     digests: dict[int, str] = field(default_factory=dict)  # node -> sha256 of its last reply's arrays
+    clipped: list[dict[str, Any]] = field(default_factory=list)  # node_id, norm, bound: updates cut to the norm bound
     # Every successful reply's metrics since the previous version, whatever became of its update
     # (discarded stale, rejected, excluded by a robust rule): a local-DP client's ε is spent either way.
     client_metrics: list[tuple[int, MetricRecord]] = field(default_factory=list)
@@ -200,6 +203,12 @@ class FedBuff(Strategy):
         A task unanswered for message_ttl_s + this is given up locally.
     device : torch.device | str (default: "cpu")
         Where the buffer is aggregated.
+    norm_bound : NormBound | None (default: None)
+        `strategy.norm_bound` (strategies/norm_bound.py): each update is bounded against the median of
+        the recently applied ones as it arrives, before it enters the buffer; None: no bound.
+    stall_versions : int (default: 0)
+        `federation.stall_rounds`: `run` stops with `Stalled` once this many versions' worth of
+        replies (K each) came in since the last version without making one; 0: never.
     """
 
     def __init__(
@@ -220,6 +229,8 @@ class FedBuff(Strategy):
         deadline_grace_s: float = 5.0,
         device: torch.device | str = "cpu",
         server_opt: ServerOptimizer | None = None,
+        norm_bound: NormBound | None = None,
+        stall_versions: int = 0,
     ) -> None:
         if buffer_size < 0:
             raise ValueError(f"buffer_size={buffer_size} must be >= 1, or 0 (AUTO_BUFFER: from the nodes at the start)")
@@ -240,6 +251,8 @@ class FedBuff(Strategy):
         self.server_momentum = 0.0 if server_opt is not None else server_momentum
         self.server_opt = server_opt
         self.buffer_rule = buffer_rule
+        self.norm_bound = norm_bound
+        self.stall_versions = stall_versions
         self.sampling = sampling or Sampling()
         self.limits = limits or ReplyLimits(message_ttl_s=600.0)
         self.wiring = wiring or TaskWiring()
@@ -344,6 +357,8 @@ class FedBuff(Strategy):
             self.limits.message_ttl_s,
             self.device,
         )
+        if self.norm_bound is not None:
+            log.info("FedBuff: %s", self.norm_bound.describe())
 
     def check_nodes(self, grid: Grid, stalled_s: float) -> None:
         """No server update for longer than `round_wait_timeout_s`: TooFewNodes if the connected
@@ -475,6 +490,12 @@ class FedBuff(Strategy):
             warn_rejected(node, str(err), self.wiring.names)
             return
         valid.node_id, valid.staleness, valid.base = node, tau, base
+        if self.norm_bound is not None and (
+            why := self.norm_bound.admit(valid, base, self.report.clipped, self.wiring.names)
+        ):
+            self.report.rejected.append(Rejection(node, why))
+            warn_rejected(node, why, self.wiring.names)
+            return
         valid.scale = self.staleness(tau)
         valid.weight *= valid.scale  # the capped count times s(τ)
         if self.buffer_rule is not None:
@@ -610,6 +631,8 @@ class FedBuff(Strategy):
         if new is None:
             log.warning("version %d: %s; keeping the global model", self.version + 1, NON_FINITE_STEP)
             self.buffer = []
+            if self.norm_bound is not None:
+                self.norm_bound.commit([])
             return None
         outcome, self.velocity = last[0]
         if self.server_opt is not None:
@@ -631,6 +654,8 @@ class FedBuff(Strategy):
         ]
         used = [r for r in buffer if r.node_id not in excluded]
         report.metrics = weighted_metrics(used)
+        if self.norm_bound is not None:
+            self.norm_bound.commit(used)
         self.version += 1
         report.version = self.version
         self._arrays = tensors_to_record(new, consume=True)
@@ -658,9 +683,12 @@ class FedBuff(Strategy):
 
         `drain=True` then waits for the tasks still out (each until its deadline) and keeps
         their metrics in `report.client_metrics`: a local-DP node spends ε on a task whether
-        or not its update is used, and that spending must reach the server's record."""
+        or not its update is used, and that spending must reach the server's record.
+
+        `Stalled` (after the drain) once `stall_versions` versions' worth of replies made no version."""
         self.set_model(arrays, first_version)
         next_wait_log = 0.0
+        stalled: str | None = None
         progress = time.monotonic()  # the last server update (or the start)
         while deadline is None or clock() < deadline:
             self._push(grid, config)
@@ -680,6 +708,8 @@ class FedBuff(Strategy):
                         break
             if stop:
                 break
+            if (stalled := self.stall()) is not None:
+                break
             if not replies:
                 if not self.in_flight and time.monotonic() >= next_wait_log:
                     log.info("FedBuff: no node to train on; waiting for nodes to connect")
@@ -696,7 +726,19 @@ class FedBuff(Strategy):
                     time.sleep(self.poll_interval_s)
         if self.in_flight:
             log.info("FedBuff: %d task(s) still out are abandoned (their TTL ends them)", len(self.in_flight))
+        if stalled is not None:
+            raise Stalled(stalled)
         return self._arrays
+
+    def stall(self) -> str | None:
+        """Why the run has stalled (`Stalled`'s message), once `stall_versions` versions' worth of
+        replies (K each: rejected, failed or discarded stale) came in since the last version; else None."""
+        r = self.report
+        missed = len(r.rejected) + len(r.failed) + r.discarded_stale
+        if not self.stall_versions or missed < self.stall_versions * max(self.buffer_size, 1):
+            return None
+        outcomes = tally([x.reason for x in r.rejected + r.failed], stale=r.discarded_stale)
+        return stall_reason(self.stall_versions, "version", self.version, outcomes)
 
     def start(
         self,
@@ -726,8 +768,8 @@ class FedBuff(Strategy):
 
     # --- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Version, counters and server momentum. Buffered updates and tasks in flight
-        are not saved: after a resume the nodes are simply sent the current version."""
+        """Version, counters, server momentum and the norm bound's history. Buffered updates and tasks
+        in flight are not saved: after a resume the nodes are simply sent the current version."""
         # Velocity on the CPU, copied: checkpoints load with map_location="cpu", and later steps must not change it.
         velocity = (
             None if self.velocity is None else {k: v.detach().to("cpu", copy=True) for k, v in self.velocity.items()}
@@ -740,6 +782,7 @@ class FedBuff(Strategy):
             "velocity": velocity,
             "buffer_size": self.buffer_size,
             **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}),
+            **({"norm_bound": self.norm_bound.state_dict()} if self.norm_bound is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -752,6 +795,8 @@ class FedBuff(Strategy):
             self.buffer_size = int(state["buffer_size"])
         if self.server_opt is not None and "server_optimizer" in state:
             self.server_opt.load_state_dict(state["server_optimizer"], self.device)
+        if self.norm_bound is not None and "norm_bound" in state:
+            self.norm_bound.load_state_dict(state["norm_bound"])
         velocity = state["velocity"]
         if velocity is not None and not (
             isinstance(velocity, dict) and all(isinstance(v, torch.Tensor) for v in velocity.values())

@@ -111,6 +111,9 @@ SLOW_TESTS: dict[str, set[str]] = {
         "test_a_lora_run_resumes_from_its_checkpoint",
     },
     "test_attacks": {"test_inflated_counts_leave_capped_fedavg_and_multikrum_near_the_clean_run"},
+    # an exploded update (attack=scale 1e37): FedAvg and FedBuff with the norm bound, and stalled without it
+    "test_norm_bound": {"test_a_run_with_an_exploded_update_completes_and_learns"},
+    "test_liveness": {"test_a_run_whose_model_exploded_stops_with_a_reason_and_keeps_its_checkpoint"},
     "test_examples": {  # each example's whole federation in process (tens of seconds to minutes)
         "test_breast_cancer_example_ranks_tumours_well",
         "test_finetune_example_sends_only_the_head_and_keeps_the_body",

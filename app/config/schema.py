@@ -32,6 +32,7 @@ DOWNLINKS = ("none", "fp16", "delta")  # app/compression/downlink.py
 LEDGERS = ("on", "off")  # app/ledger/
 CONTRIBUTIONS = ("none", "loo", "shapley")  # app/ledger/contribution.py
 AGGREGATIONS = ("auto", "stream", "gather")  # federation.aggregation (app/run/memory.py)
+NORM_BOUND_ACTIONS = ("reject", "clip")  # strategy.norm_bound_action (strategies/norm_bound.py)
 ATTACKS = ("none", "sign_flip", "gaussian", "scale", "label_flip", "inflate_weight")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "hf", "npz", "hf_disk", "python", "text")
 HUB_DATASETS = ("cifar10", "mnist", "fashion_mnist", "hf")
@@ -68,6 +69,8 @@ ROW_COLUMN_PRIVACY: dict[str, str] = {
     "num_discarded_stale": EXACT, "rejected": EXACT, "failed": EXACT, "capped_weights": EXACT, "robust": EXACT,
     "node_partitions": EXACT, "applied": EXACT, "staleness": EXACT, "tasks_sent": EXACT, "train": EXACT,
     "federated_eval": EXACT,
+    # strategy.norm_bound_action=clip: the updates clipped to the norm bound (strategies/norm_bound.py)
+    "norm_clipped": EXACT,
     # traffic (app/run/rows.py: traffic): the means per task are public, the totals count the replies
     "bytes_down": PUBLIC, "bytes_up": PUBLIC,
     "bytes_down_total": EXACT, "bytes_up_total": EXACT, "unpack_s": EXACT,
@@ -146,6 +149,11 @@ class StrategyConfig:
     proximal_mu: float = 0.0
     # Ditto (strategy=ditto, Li et al. 2021): each node's personal model, pulled towards the global one
     ditto_lambda: float = 0.0
+    # Norm bounding of the plain means (FedAvg, FedBuff's mean buffer, regions' means;
+    # strategies/norm_bound.py): an update over norm_bound x the median of the recently accepted
+    # update norms is rejected (or clipped); 0 = off
+    norm_bound: float = 20.0
+    norm_bound_action: str = "reject"  # NORM_BOUND_ACTIONS
 
 
 @dataclass(unsafe_hash=True)
@@ -416,6 +424,7 @@ class FederationConfig:
     max_examples_per_node: int = 100_000  # cap on a reply's claimed num-examples (its FedAvg weight)
     aggregation: str = "auto"  # AGGREGATIONS: fold training replies as they arrive, or gather them (app/run/memory.py)
     server_memory_gb: float = 0.0  # the most the replies a strategy holds at once may take; 0 = no cap
+    stall_rounds: int = 5  # stop once this many rounds (FedBuff: versions' worth of replies) applied no update; 0 = never
 
 
 @dataclass(unsafe_hash=True)

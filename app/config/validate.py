@@ -27,6 +27,7 @@ from app.config.schema import (
     LM_METRICS,
     LR_SCHEDULES,
     MODELS,
+    NORM_BOUND_ACTIONS,
     OPTIMIZERS,
     PARTITIONS,
     PEFT_METHODS,
@@ -143,6 +144,14 @@ def validate(cfg: Config) -> Config:
         "must be in [0, 0.5): 0.5 or more trims everything",
     )
     p.one_of("strategy.on_too_few", s.on_too_few, ROBUST_POLICIES)
+    p.require(
+        s.norm_bound == 0 or 1 < s.norm_bound < float("inf"),
+        "strategy.norm_bound",
+        s.norm_bound,
+        "must be a multiple > 1 of the median accepted update norm (at or below 1 it rejects half the honest "
+        "updates), or 0 (off)",
+    )
+    p.one_of("strategy.norm_bound_action", s.norm_bound_action, NORM_BOUND_ACTIONS)
     _validate_fedbuff(p, s)
     _validate_server_optimizer(p, cfg)
     _validate_scaffold(p, cfg)
@@ -351,6 +360,7 @@ def validate(cfg: Config) -> Config:
     )
 
     p.require(f.max_wall_time_s >= 0, "federation.max_wall_time_s", f.max_wall_time_s, "must be >= 0 (0 = no limit)")
+    p.require(f.stall_rounds >= 0, "federation.stall_rounds", f.stall_rounds, "must be >= 0 (0 = never stop for it)")
     p.require(
         f.max_examples_per_node >= 1,
         "federation.max_examples_per_node",

@@ -41,6 +41,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedbuff import FEDBUFF_SERVER_LR, FedBuff
 from strategies.interface import ServerStrategy
 from strategies.node_names import NodeNames
+from strategies.norm_bound import NormBound
 from strategies.partitions import PartitionBinding
 from strategies.regional import RegionalCombine
 from strategies.registry import rule_class
@@ -206,10 +207,17 @@ def _fedavg(cfg: Config, parts: StrategyParts) -> FedAvg:
             secagg=parts.secagg, dp=parts.distributed, device=parts.device, regions=parts.regions, **common
         )
     if parts.dp is None:
-        return FedAvg(device=parts.device, regions=parts.regions, **common)
+        return FedAvg(device=parts.device, regions=parts.regions, norm_bound=norm_bound(cfg), **common)
     # Central DP with regions: every client's update clipped, summed and noised once, computed as one
     # sum; the regions' sums of clipped updates add up to the same release (docs/fleet.md#regions).
     return DPFedAvg(dp=parts.dp, poisson=cfg.privacy.poisson_sampling, device=parts.device, **common)
+
+
+def norm_bound(cfg: Config) -> NormBound | None:
+    """strategy.norm_bound for a plain mean (None: 0, off). Central DP clips every update itself,
+    SecAgg+ shows the server no update, and a robust rule is its own defence: none of them has one."""
+    st = cfg.strategy
+    return NormBound(st.norm_bound, clip=st.norm_bound_action == "clip") if st.norm_bound else None
 
 
 def server_optimizer(cfg: Config) -> ServerOptimizer | None:
@@ -235,6 +243,7 @@ def _scaffold(cfg: Config, parts: StrategyParts) -> Scaffold:
         wiring=parts.wiring,
         device=parts.device,
         server_opt=server_optimizer(cfg),
+        norm_bound=norm_bound(cfg),
     )
 
 
@@ -265,6 +274,7 @@ def _fedbuff(cfg: Config, parts: StrategyParts) -> FedBuff:
         "limits": replace(parts.limits, message_ttl_s=cfg.federation.round_timeout_s),
         "wiring": parts.wiring,
         "device": parts.device,
+        "stall_versions": cfg.federation.stall_rounds,
     }
     if parts.dp is not None:  # validation allows central DP only with the mean buffer, no server optimizer
         return DPFedBuff(dp=parts.dp, **buffer)
@@ -272,7 +282,7 @@ def _fedbuff(cfg: Config, parts: StrategyParts) -> FedBuff:
     rule = None if st.buffer_aggregator == "mean" else robust_rule(st.buffer_aggregator, st, parts.device)
     if rule is not None and st.buffer_size and (problem := rule.too_few(st.buffer_size)):
         raise ConfigError(f"strategy.buffer_size={st.buffer_size} is too small for the robust buffer: {problem}")
-    return FedBuff(buffer_rule=rule, **buffer)
+    return FedBuff(buffer_rule=rule, norm_bound=norm_bound(cfg) if rule is None else None, **buffer)
 
 
 _STRATEGIES: Registry[Callable[[Config, StrategyParts], ServerStrategy]] = Registry(

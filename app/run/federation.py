@@ -38,6 +38,7 @@ from app.secagg.server import Outcome
 from app.task.training import evaluate
 from strategies.central_dp import PrivacyBudgetExhausted
 from strategies.fedbuff import VersionReport
+from strategies.liveness import Stalled, StallWatch, tally
 from strategies.node_names import labels
 from strategies.node_wait import TooFewNodes
 from strategies.replies import payload_bytes
@@ -316,6 +317,7 @@ class FederatedRun:
         strategy, grid, cfg = self.strategy, self.parts.grid, self.cfg
         timeout = cfg.federation.round_timeout_s
         federated_eval = cfg.federation.fraction_evaluate > 0
+        stall = StallWatch(cfg.federation.stall_rounds, last=self.parts.first_round - 1)
         for rnd in range(self.parts.first_round, cfg.federation.rounds + 1):
             t0 = time.time()
             if self.status is not None:
@@ -400,6 +402,8 @@ class FederatedRun:
             )
             if self.should_stop(rnd, metrics):
                 break
+            outcomes = tally([r["reason"] for r in row["rejected"]], missing=row["num_missing"])
+            stall.round_ended(rnd, new_arrays is not None, outcomes)  # Stalled after stall_rounds without one
 
     # --- asynchronous versions (FedBuff) ---------------------------------------------
     def run_versions(self) -> None:
@@ -454,23 +458,31 @@ class FederatedRun:
 
         clock = (lambda: self.clock.now) if self.clock is not None else time.monotonic
         deadline = clock() + budget - self.budget_time() if budget else None
-        self.arrays = strategy.run(
-            self.parts.grid,
-            self.arrays,
-            self.parts.client_config,
-            on_version,
-            first_version=self.parts.first_round - 1,
-            deadline=deadline,
-            drain=self.privacy.drain,
-            clock=clock,
-        )
-        if self.privacy.drain and strategy.report.client_metrics:
-            # Replies after the last version (and the tasks still out at the stop, drained) spent their
-            # steps too: on record and checkpointed.
-            self.privacy.record_spending(strategy.report.client_metrics)
-            self.save_state(strategy.version, self.elapsed())
+        try:
+            self.arrays = strategy.run(
+                self.parts.grid,
+                self.arrays,
+                self.parts.client_config,
+                on_version,
+                first_version=self.parts.first_round - 1,
+                deadline=deadline,
+                drain=self.privacy.drain,
+                clock=clock,
+            )
+        except Stalled:
+            self.record_unversioned()
+            raise
+        self.record_unversioned()
         if deadline is not None and clock() >= deadline:
             self.stop_reason = self.budget_spent()
+
+    def record_unversioned(self) -> None:
+        """Replies after the last version (and the tasks still out at the stop, drained) spent their
+        steps too (local DP): on record and checkpointed."""
+        strategy = self.strategy
+        if self.privacy.drain and strategy.report.client_metrics:
+            self.privacy.record_spending(strategy.report.client_metrics)
+            self.save_state(strategy.version, self.elapsed())
 
     def final_evaluation(self) -> dict[str, Any]:
         """The final model's metrics when the last row did not evaluate it.
@@ -524,7 +536,7 @@ class FederatedRun:
             except PrivacyBudgetExhausted as err:
                 self.stop_reason = str(err)
                 log.warning("stopping: %s; the saved model is the last one released within the budget", err)
-            except TooFewNodes as err:  # resumable: the summary says stopped, not completed
+            except (TooFewNodes, Stalled) as err:  # resumable: the summary says stopped, not completed
                 status, self.stop_reason = "stopped", str(err)
                 raise
             status = "completed"

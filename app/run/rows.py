@@ -67,6 +67,7 @@ def round_row(
         "model_updated": updated,
         "rejected": _rejections(report.rejected),
         "capped_weights": report.capped,
+        **({"norm_clipped": report.clipped} if report.clipped else {}),  # strategy.norm_bound_action=clip
         "robust": robust,
         "node_partitions": node_partitions(client_metrics),
         "train": dict(train) if train else {},
@@ -126,6 +127,7 @@ def version_row(report: VersionReport, tasks_sent: int) -> dict[str, Any]:
         "rejected": _rejections(report.rejected),
         "failed": _rejections(report.failed),
         "robust": report.robust,
+        **({"norm_clipped": report.clipped} if report.clipped else {}),  # strategy.norm_bound_action=clip
         "tasks_sent": tasks_sent,
         "train": dict(report.metrics) if report.metrics else {},
     }
