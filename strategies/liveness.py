@@ -68,7 +68,9 @@ def stall_reason(limit: int, unit: str, last: int, outcomes: Counter[str]) -> st
     """`Stalled`'s message: how long, what became of the replies, what to try, where the model is."""
     seen = ", ".join(f"{n} {what}" for what, n in outcomes.most_common()) or "none received"
     main = outcomes.most_common(1)[0][0] if outcomes else MISSING
-    resume = "" if main == NON_FINITE else "; once the cause is fixed, the same command with resume=auto continues from it"
+    resume = (
+        "" if main == NON_FINITE else "; once the cause is fixed, the same command with resume=auto continues from it"
+    )
     return (
         f"stalled: no update applied for {limit} {unit}s (federation.stall_rounds={limit}); replies since "
         f"{unit} {last}: {seen}. What to try: {ADVICE[main]}. The checkpoint holds the last applied model "

@@ -54,7 +54,11 @@ def _squares(t: torch.Tensor) -> float:
 def distance(model: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> float:
     """||model − base||₂ over the base's floating-point tensors, in float64, one tensor at a time."""
     return math.sqrt(
-        sum(_squares(model[k].to(torch.float64) - b.to(model[k].device)) for k, b in base.items() if b.is_floating_point())
+        sum(
+            _squares(model[k].to(torch.float64) - b.to(model[k].device))
+            for k, b in base.items()
+            if b.is_floating_point()
+        )
     )
 
 

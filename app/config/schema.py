@@ -424,7 +424,7 @@ class FederationConfig:
     max_examples_per_node: int = 100_000  # cap on a reply's claimed num-examples (its FedAvg weight)
     aggregation: str = "auto"  # AGGREGATIONS: fold training replies as they arrive, or gather them (app/run/memory.py)
     server_memory_gb: float = 0.0  # the most the replies a strategy holds at once may take; 0 = no cap
-    stall_rounds: int = 5  # stop once this many rounds (FedBuff: versions' worth of replies) applied no update; 0 = never
+    stall_rounds: int = 5  # stop after this many rounds (FedBuff: versions' worth) without an update; 0 = never
 
 
 @dataclass(unsafe_hash=True)
