@@ -208,3 +208,28 @@ def test_a_run_with_an_exploded_update_completes_and_learns(tmp_path, strategy):
     rejected = [x for r in rows for x in r["rejected"]]
     assert rejected and {x["node_id"] for x in rejected} == {1000 + bad}
     assert all(x["reason"].startswith(REASON) for x in rejected)
+
+
+def test_the_chunked_norm_equals_float64_across_chunks_overflow_and_dtypes() -> None:
+    """distance/size work a chunk at a time in float32 (no model-sized temporary): across chunk
+    boundaries they equal the float64 closed form to float32 precision, a chunk whose float32 sum
+    overflows is redone in float64 (a 1e37 coordinate is measured, not Inf), and other dtypes
+    go through float64."""
+    from strategies.norm_bound import CHUNK, distance, size
+
+    gen = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(CHUNK * 2 + 5, generator=gen), "b": torch.randn(7, generator=gen), "n": torch.tensor([3])}
+    model = {k: v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v for k, v in base.items()}
+
+    def exact(m: dict, b: dict | None) -> float:
+        return math.sqrt(
+            sum(float(((m[k].double() - (b[k].double() if b else 0)) ** 2).sum()) for k in ("w", "b"))
+        )
+
+    assert distance(model, base) == pytest.approx(exact(model, base), rel=1e-5)
+    assert size(base) == pytest.approx(exact(base, None), rel=1e-5)
+    model["w"][CHUNK + 1] = 1e37  # squared: 1e74, past float32
+    assert distance(model, base) == pytest.approx(1e37, rel=1e-6)
+    half = {k: v.half() if v.is_floating_point() else v for k, v in base.items()}
+    moved = {k: v + 0.5 if v.is_floating_point() else v for k, v in half.items()}
+    assert distance(moved, half) == pytest.approx(0.5 * math.sqrt(CHUNK * 2 + 5 + 7), rel=1e-3)
