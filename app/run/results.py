@@ -4,7 +4,6 @@ checkpoint.pt and model_final.pt under <output-dir>/<run name>/."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from app.config.schema import ConfigError
 from app.config.validate import check_dir_name
 from app.run.tracking import Trackers
+from app.status.schema import finite  # JSON has no NaN: non-finite floats become null
 
 DEFAULT_OUTPUT_ROOT = Path.home() / "fedgpu-runs"
 
@@ -63,17 +63,6 @@ def new_run_dir(root: Path, name: str | None, strategy: str, dataset: str, reuse
         except FileExistsError:
             continue
     raise RuntimeError(f"cannot create a new run directory under {root}")
-
-
-def _clean(value: Any) -> Any:  # noqa: ANN401
-    """JSON has no NaN: non-finite floats become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
 
 
 def clock_s(row: dict[str, Any]) -> float:
@@ -127,7 +116,7 @@ class RunRecorder:
         self.trackers = Trackers(self.run_dir, OmegaConf.to_container(cfg, resolve=True), self.resumed_after)
 
     def log_round(self, row: dict[str, Any]) -> None:
-        row = _clean(row)
+        row = finite(row)
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -167,7 +156,7 @@ class RunRecorder:
             "run_dir": str(self.run_dir),
             **extra,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
+        (self.run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2) + "\n")
         if self.rows:
             self.plot()
         if self.trackers is not None:
